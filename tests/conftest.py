@@ -1,0 +1,49 @@
+"""Shared fixtures: locally built tiny models (cached per session) and a local Ray cluster.
+
+Tests are grouped by what they start: tests/unit (no Ray, no model processes), tests/integration
+(local Ray, real Megatron, real vLLM), tests/slurm (the local Slurm cluster), tests/e2e (whole runs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Keep every test process to one thread per library: the CI machine has 2 cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_cache):
+    """tiny_model(recipe="tiny_llama", seed=0) -> Path of a locally built HF checkpoint dir."""
+    from workers import tiny_models
+
+    def build(recipe: str = "tiny_llama", seed: int = 0) -> Path:
+        return tiny_models.build(model_cache / f"{recipe}-s{seed}", recipe, seed=seed)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray instance for the integration tests of a session, with both role resources."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, resources={"train_slot": 4, "generation_slot": 2}, include_dashboard=False,
+                 object_store_memory=512 * 2**20, log_to_driver=True,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                                           "HF_HUB_OFFLINE": "1"}})
+    yield ray
+    ray.shutdown()

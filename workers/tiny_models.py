@@ -1,0 +1,141 @@
+"""Tiny HF models and tokenizers built locally with random weights (there is no model hub here).
+
+Used by the embedded default run, the tests and the benchmarks. A recipe is a plain dict of
+architecture numbers; `build(out_dir, recipe)` writes a normal HF checkpoint directory
+(config.json, model.safetensors in float32, tokenizer files) that transformers, vLLM and
+Megatron-Bridge all load like any downloaded model.
+
+Head sizes stay in {32, 64, ...}: vLLM's CPU attention supports only a fixed set of head sizes.
+The tokenizer is word-level over a fixed vocabulary (numbers 0-199, arithmetic words, letters),
+so a prompt such as "What is 12 + 25 ? Give only the answer ." tokenizes to whole words and the
+tiny model can be rewarded for producing a particular word.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+WORDS = (
+    [str(i) for i in range(200)]
+    + ["what", "is", "+", "-", "=", "?", ".", ",", ":", "give", "only", "the", "answer", "say",
+       "repeat", "word", "number", "yes", "no", "plus", "minus", "equals", "and", "a", "an", "of"]
+    + [chr(c) for c in range(ord("a"), ord("z") + 1) if chr(c) != "a"]
+)
+
+# Architecture numbers per recipe. heads * head_dim need not equal hidden (it does not for
+# Nemotron-H), and the exporter tests rely on recipes where it does not.
+RECIPES: dict[str, dict] = {
+    # the default model: Llama-style GQA, 4 query heads in 2 groups, head_dim 32
+    "tiny_llama": dict(family="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # Qwen2 style: q/k/v biases
+    "tiny_qwen2": dict(family="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # GQA shapes for the adapter exporter: query groups 1, 2, 4 and heads*head_dim != hidden
+    "tiny_llama_mqa": dict(family="llama", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32),
+    "tiny_llama_g4": dict(family="llama", hidden_size=160, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=32),
+    # about 100M parameters, for the refit benchmark
+    "llama_100m": dict(family="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                       num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=4096),
+    # Nemotron-H family (transformers' NemotronHForCausalLM): M = Mamba2, * = attention, - = MLP
+    "tiny_nemotron_h": dict(family="nemotron_h", hidden_size=128, intermediate_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                            hybrid_override_pattern="M*-*-"),
+}
+
+
+def make_tokenizer():
+    """A word-level fast tokenizer over WORDS (no training, deterministic, no hub)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation("isolated")])
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+
+
+def _hf_config(recipe: dict, vocab_size: int, tokenizer):
+    import transformers
+
+    r = dict(recipe)
+    family = r.pop("family")
+    r.pop("vocab_size", None)
+    common = dict(vocab_size=vocab_size, max_position_embeddings=1024, tie_word_embeddings=False,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if family in ("llama", "qwen2"):
+        cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+        return cls(rms_norm_eps=1e-6, rope_theta=10000.0, **common, **r)
+    if family == "nemotron_h":
+        pattern = r.pop("hybrid_override_pattern")
+        return transformers.NemotronHConfig(
+            num_hidden_layers=len(pattern), hybrid_override_pattern=pattern,
+            mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=16,
+            use_mamba_kernels=False, layer_norm_epsilon=1e-5, **common, **r)
+    raise ValueError(f"unknown model family {family!r}")
+
+
+def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_std: float = 0.08) -> Path:
+    """Write a random-weight HF checkpoint + tokenizer for `recipe` into out_dir; return it.
+
+    Idempotent: an existing complete directory built from the same recipe and seed is reused.
+    Written into a temporary sibling and renamed, so concurrent builders never see half a model.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": RECIPES[recipe]}
+    if (out / "tiny_model.json").exists() and json.loads((out / "tiny_model.json").read_text()) == stamp:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tokenizer = make_tokenizer()
+    spec = RECIPES[recipe]
+    vocab_size = max(spec.get("vocab_size", 0), len(tokenizer))
+    cfg = _hf_config(spec, vocab_size, tokenizer)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, init_std)  # larger than HF's default so greedy output is not degenerate
+            elif "norm" in name and "weight" in name:
+                p.uniform_(0.8, 1.2)  # non-trivial norms expose a wrong weight mapping
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.05)
+    model.eval().save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "tiny_model.json").write_text(json.dumps(stamp, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="Build a tiny random-weight HF model + tokenizer locally.")
+    p.add_argument("out_dir")
+    p.add_argument("--recipe", default="tiny_llama", choices=sorted(RECIPES))
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(build(a.out_dir, a.recipe, a.seed))
+
+
+if __name__ == "__main__":
+    main()
