@@ -1,0 +1,195 @@
+"""The one place that adapts megatron-core 0.19 / Megatron-Bridge 0.6 to a CPU-only machine.
+
+Megatron assumes CUDA (and Transformer Engine, triton) in a handful of places. On CPU the
+trainer calls `apply("cpu")` before it imports megatron, and wraps the few megatron calls that
+build tensors on "cuda" (optimizer step, gradient clipping, grad-norm) in `cuda_factories_on_cpu()`.
+On cuda `apply` does nothing (except the Python 3.11 alias below, which is not about the device)
+and the context manager is a no-op, so the same trainer code runs unchanged on GPUs.
+
+Patches, each with what and why (all recorded in APPLIED):
+  typing_override   typing.override := typing_extensions.override. megatron-core 0.19 declares
+                    Python >= 3.12 and uses `from typing import override`; we run 3.11.
+  current_device    torch.cuda.current_device() returns "cpu". Rotary embeddings, DDP buffers and
+                    many layers call `device=torch.cuda.current_device()`.
+  import_stubs      a builtins.__import__ hook that hands (a) a dummy `transformer_engine` only to
+                    `megatron.bridge.peft.*` (lora_layers.py imports it unconditionally) and
+                    (b) a permissive dummy `triton` only to `megatron.*` (megatron-core imports
+                    triton at import time for kernels we never run). sys.modules is untouched, so
+                    torch, transformers and vLLM still see neither package.
+  causal_mask       megatron.core.transformer.utils.get_default_causal_mask builds its mask on
+                    "cuda"; replaced (also where it was imported by name) by a CPU version.
+  bridge_no_te      megatron.bridge.peft.utils.HAVE_TE := False. Without TE, megatron-core's TE
+                    classes are MagicMock placeholders, so the bridge believes TE is present and
+                    LoRA's isinstance checks fail ("isinstance() arg 2 must be a type").
+  cuda_factories    (scoped, see cuda_factories_on_cpu) a TorchFunctionMode that rewrites
+                    device="cuda[:N]" to "cpu" and lets `Tensor.type()` report the CUDA spelling,
+                    because the optimizer, clip_grads and the schedules hard-code
+                    `torch.tensor(..., device="cuda")` and assert `grad.type() ==
+                    "torch.cuda.FloatTensor"`. Scoped, not global: a global mode would put a
+                    Python call in front of every op of the forward pass.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import sys
+import types
+
+APPLIED: list[str] = []
+_ORIGINAL_IMPORT = builtins.__import__
+
+
+def is_cpu(device: str) -> bool:
+    return not str(device).startswith("cuda")
+
+
+def apply(device: str) -> list[str]:
+    """Patch megatron for `device` ("cpu" or "cuda"); idempotent; returns the names applied."""
+    _typing_override()
+    if not is_cpu(device):
+        return list(APPLIED)
+    _current_device()
+    _import_stubs()
+    _causal_mask()
+    _bridge_no_te()
+    return list(APPLIED)
+
+
+def _once(name: str) -> bool:
+    if name in APPLIED:
+        return False
+    APPLIED.append(name)
+    return True
+
+
+def _typing_override() -> None:
+    import typing
+
+    if not hasattr(typing, "override") and _once("typing_override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
+def _current_device() -> None:
+    import torch
+
+    if not torch.cuda.is_available() and _once("current_device"):
+        torch.cuda.current_device = lambda: "cpu"
+
+
+class _Anything:
+    """Stands for any triton object used at import time: decorators, configs, constants."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]  # bare decorator, e.g. @triton.jit
+        return _Anything()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+    def __getitem__(self, key):
+        return _Anything()
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+
+def _te_stub() -> types.ModuleType:
+    import torch
+
+    class _Unavailable(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("transformer_engine is not installed (CPU run)")
+
+    te = types.ModuleType("transformer_engine")
+    te_pytorch = types.ModuleType("transformer_engine.pytorch")
+    te_ops = types.ModuleType("transformer_engine.pytorch.ops")
+    # Classes the bridge subclasses or uses in isinstance checks at import time.
+    for name in ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer", "GroupedLinear"):
+        setattr(te_pytorch, name, type(name, (_Unavailable,), {}))
+    for name in ("Sequential", "LayerNorm", "RMSNorm", "Quantize", "MakeExtraOutput", "Linear",
+                 "Dropout", "ConstantScale", "AddExtraInput"):
+        setattr(te_ops, name, type(name, (_Unavailable,), {}))
+    te_pytorch.ops = te_ops
+    te_pytorch.fp8_autocast = te_pytorch.autocast = lambda *a, **k: contextlib.nullcontext()
+    te.pytorch = te_pytorch
+    return te
+
+
+def _import_stubs() -> None:
+    if not _once("import_stubs"):
+        return
+    te = _te_stub()
+    triton = _StubModule("triton")
+    triton.__version__ = "3.0.0"
+
+    def _import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and globals is not None:
+            importer = globals.get("__name__", "") or ""
+            top = name.partition(".")[0]
+            if top == "transformer_engine" and importer.startswith("megatron.bridge.peft."):
+                return te.pytorch if name == "transformer_engine.pytorch" and fromlist else te
+            if top == "triton" and importer.startswith("megatron."):
+                return triton
+        return _ORIGINAL_IMPORT(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = _import
+
+
+def _causal_mask() -> None:
+    if "causal_mask" in APPLIED:
+        return
+    import torch
+    import megatron.core.transformer.utils as transformer_utils
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    transformer_utils.get_default_causal_mask = get_default_causal_mask
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("megatron.") and hasattr(module, "get_default_causal_mask"):
+            module.get_default_causal_mask = get_default_causal_mask
+    _once("causal_mask")
+
+
+def _bridge_no_te() -> None:
+    if "bridge_no_te" in APPLIED:
+        return
+    import megatron.bridge.peft.utils as peft_utils
+
+    peft_utils.HAVE_TE = False
+    _once("bridge_no_te")
+
+
+def cuda_factories_on_cpu(device: str):
+    """Context: inside it, megatron's hard-coded device="cuda" tensors are made on CPU (cpu only)."""
+    if not is_cpu(device):
+        return contextlib.nullcontext()
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _CudaFactoriesOnCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            result = func(*args, **kwargs)
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
+                return result.replace("torch.", "torch.cuda.", 1)  # clip_grads asserts CUDA grads
+            return result
+
+    if "cuda_factories" not in APPLIED:
+        APPLIED.append("cuda_factories")
+    return _CudaFactoriesOnCpu()
