@@ -1,0 +1,313 @@
+"""Megatron LoRA factors -> HF module names and shapes, per model family, without a Megatron model.
+
+Megatron-Bridge LoRA wraps Megatron's fused linears, so one adapter can cover several HF modules:
+  linear_qkv  -> q_proj, k_proj, v_proj   rows of B interleaved per query group:
+                 [num_query_groups, heads_per_group + 2, head_dim, r] = [q heads | k | v] per group
+  linear_fc1  -> gate_proj, up_proj       (gated MLP: rows of B are [gate; up]) or up_proj alone
+  linear_proj -> o_proj,  linear_fc2 -> down_proj
+A (linear_in, [r, in]) is shared by every HF module of a fused linear; B (linear_out, [out, r])
+is split by rows. Used by `refit` (merged_delta and adapter modes) and by the offline adapter
+exporter, which reads a checkpoint and has no Megatron model: everything here needs only
+`ModelLayout` (family + attention numbers; heads * head_dim need not equal hidden_size).
+
+Which HF modules a Megatron linear maps to comes from Megatron-Bridge's own mapping registry
+(`<Family>Bridge().mapping_registry()`), and the QKV split/fuse from its `split_qkv_weights` /
+`merge_qkv_weights`, so the layouts are the ones the Bridge uses for base weights, not re-derived.
+One correction: the Bridge names Nemotron-H modules `backbone.layers.N.mixer.*` (HF remote code);
+transformers v5 and vLLM name them `model.layers.N.mixer.*`, and vLLM silently ignores adapter
+weights whose module path does not exist, so the prefix is rewritten here.
+
+`merge_lora_weight` is the merge arithmetic of the Bridge's merged export (LoRAMerge under
+`_merge_single_adapter_weight`): float32, scale * (B @ A), then base + that, cast back. The
+generator uses it for `merged_delta`, so that mode writes weights bitwise equal to `merged`.
+
+Megatron imports are lazy (first use) and go through `workers.cpu_shim` on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterable, Mapping
+
+import torch
+
+# family -> (Bridge module, Bridge class, (registry prefix, prefix HF/vLLM use) or None)
+FAMILIES: dict[str, tuple[str, str, tuple[str, str] | None]] = {
+    "llama": ("megatron.bridge.models.llama.llama_bridge", "LlamaBridge", None),
+    "qwen2": ("megatron.bridge.models.qwen.qwen2_bridge", "Qwen2Bridge", None),
+    "nemotron_h": ("megatron.bridge.models.nemotronh.nemotron_h_bridge", "NemotronHBridge",
+                   ("backbone.", "model.")),
+}
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "nemotron_h": "nemotron_h"}
+
+LORA_A_SUFFIX = ".adapter.linear_in.weight"
+LORA_B_SUFFIX = ".adapter.linear_out.weight"
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The numbers that decide LoRA layouts. head_dim * num_attention_heads may differ from hidden."""
+
+    family: str
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    hidden_size: int
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r} (known: {sorted(FAMILIES)})")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"{self.num_attention_heads} heads do not split into "
+                             f"{self.num_query_groups} query groups")
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @classmethod
+    def from_model_section(cls, model: Mapping[str, Any]) -> "ModelLayout":
+        """From the config's `model:` section (family, num_attention_heads, num_query_groups, ...)."""
+        return cls(family=model["family"], num_attention_heads=int(model["num_attention_heads"]),
+                   num_query_groups=int(model["num_query_groups"]), head_dim=int(model["head_dim"]),
+                   hidden_size=int(model["hidden_size"]))
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelLayout":
+        """From an HF config: a checkpoint directory, a config.json path, a dict or a PretrainedConfig."""
+        if isinstance(config, (str, Path)):
+            path = Path(config)
+            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
+        model_type = get("model_type")
+        family = _HF_MODEL_TYPES.get(model_type)
+        if family is None:
+            raise ValueError(f"no LoRA layout for HF model_type {model_type!r}")
+        heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
+        return cls(family=family, num_attention_heads=heads,
+                   num_query_groups=int(get("num_key_value_heads") or heads),
+                   head_dim=int(get("head_dim") or hidden // heads), hidden_size=hidden)
+
+    def bridge_config(self, feature_dim: int | None = None) -> SimpleNamespace:
+        """The attributes Bridge's split/merge_qkv_weights read from a TransformerConfig.
+
+        `feature_dim` replaces hidden_size as the trailing dimension (merge_qkv_weights reshapes
+        with provider.hidden_size, so a LoRA-B of r columns needs hidden_size=r there).
+        """
+        return SimpleNamespace(num_attention_heads=self.num_attention_heads,
+                               num_query_groups=self.num_query_groups, kv_channels=self.head_dim,
+                               hidden_size=feature_dim or self.hidden_size, attention_output_gate=False)
+
+
+@dataclass(frozen=True)
+class ModuleMap:
+    """One Megatron linear and the HF modules it covers (in the order B's rows are split into)."""
+
+    megatron_module: str          # decoder.layers.0.self_attention.linear_qkv
+    kind: str                     # "qkv" | "gated" | "single"
+    hf_modules: tuple[str, ...]   # model.layers.0.self_attn.q_proj, ...k_proj, ...v_proj
+
+
+@dataclass
+class HfLoraGroup:
+    """LoRA factors of one Megatron linear in HF layout: A shared, one B per HF module."""
+
+    megatron_module: str
+    hf_modules: tuple[str, ...]
+    lora_a: torch.Tensor                 # [r, in]
+    lora_b: tuple[torch.Tensor, ...]     # [out_i, r] per HF module
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-Bridge access (lazy: importing megatron costs seconds and needs the CPU shim)
+
+
+def _ensure_megatron_importable() -> None:
+    from workers import cpu_shim
+
+    cpu_shim.apply("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@lru_cache(maxsize=None)
+def _registry(family: str):
+    module, cls, _ = FAMILIES[family]
+    _ensure_megatron_importable()
+    return getattr(importlib.import_module(module), cls)().mapping_registry()
+
+
+def _qkv_helpers():
+    _ensure_megatron_importable()
+    from megatron.bridge.models.conversion import param_mapping
+
+    return param_mapping.split_qkv_weights, param_mapping.merge_qkv_weights
+
+
+def _hf_module_name(family: str, hf_param: str) -> str:
+    name = hf_param[: -len(".weight")] if hf_param.endswith(".weight") else hf_param
+    rename = FAMILIES[family][2]
+    if rename and name.startswith(rename[0]):
+        name = rename[1] + name[len(rename[0]):]
+    return name
+
+
+@lru_cache(maxsize=4096)
+def module_map(family: str, megatron_module: str) -> ModuleMap:
+    """HF modules of `megatron_module` (e.g. decoder.layers.3.mlp.linear_fc1), from Bridge's registry."""
+    mapping = _registry(family).megatron_to_hf_lookup(megatron_module + ".weight")
+    if mapping is None:
+        raise KeyError(f"{family}: Megatron-Bridge has no HF mapping for {megatron_module}.weight")
+    kind_name = type(mapping).__name__
+    hf = mapping.hf_param
+    if kind_name == "QKVMapping":
+        return ModuleMap(megatron_module, "qkv", tuple(_hf_module_name(family, hf[k]) for k in ("q", "k", "v")))
+    if kind_name == "GatedMLPMapping":
+        return ModuleMap(megatron_module, "gated", tuple(_hf_module_name(family, hf[k]) for k in ("gate", "up")))
+    if isinstance(hf, str) and kind_name in ("AutoMapping", "ColumnParallelMapping", "RowParallelMapping",
+                                             "ReplicatedMapping"):
+        return ModuleMap(megatron_module, "single", (_hf_module_name(family, hf),))
+    raise NotImplementedError(f"{family}: LoRA on {megatron_module} ({kind_name}) is not supported")
+
+
+# --------------------------------------------------------------------------------------------
+# B split / fuse
+
+
+def split_lora_b(layout: ModelLayout, mm: ModuleMap, lora_b: torch.Tensor,
+                 fc1_tp_shards: int = 1) -> tuple[torch.Tensor, ...]:
+    """Rows of a fused LoRA-B -> one B per HF module of `mm` (views where possible).
+
+    fc1_tp_shards: a gated fc1 B gathered by concatenating TP shards holds [gate_i; up_i] per
+    shard (that is how Megatron shards it); give the shard count to undo that. QKV needs no such
+    argument: TP shards hold whole query groups, so their concatenation is the TP=1 layout.
+    """
+    if mm.kind == "qkv":
+        split_qkv_weights, _ = _qkv_helpers()
+        return tuple(split_qkv_weights(layout.bridge_config(), lora_b, feature_dim=lora_b.shape[-1]))
+    if mm.kind == "gated":
+        if fc1_tp_shards == 1:
+            return tuple(torch.chunk(lora_b, 2, dim=0))
+        halves = [torch.chunk(shard, 2, dim=0) for shard in torch.chunk(lora_b, fc1_tp_shards, dim=0)]
+        return torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+    return (lora_b,)
+
+
+def fuse_lora_b(layout: ModelLayout, mm: ModuleMap, parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Inverse of split_lora_b (TP=1 layout): per-HF-module Bs -> the fused Megatron LoRA-B."""
+    parts = tuple(parts)
+    if mm.kind == "qkv":
+        _, merge_qkv_weights = _qkv_helpers()
+        return merge_qkv_weights(layout.bridge_config(feature_dim=parts[0].shape[-1]), *parts)
+    if mm.kind == "gated":
+        return torch.cat(parts, dim=0)
+    (b,) = parts
+    return b
+
+
+# --------------------------------------------------------------------------------------------
+# adapter state (Megatron names) -> HF groups -> PEFT
+
+
+_LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _canonical_order(module: str):
+    m = _LAYER_NUMBER.search(module)
+    return (int(m.group(1)) if m else -1, module)
+
+
+def megatron_lora_modules(adapter_state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{megatron module: (A, B)} from adapter_state names, in canonical (layer, name) order."""
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in adapter_state.items():
+        name = key[len("module."):] if key.startswith("module.") else key
+        if name.endswith(LORA_A_SUFFIX):
+            factors.setdefault(name[: -len(LORA_A_SUFFIX)], {})["A"] = tensor
+        elif name.endswith(LORA_B_SUFFIX):
+            factors.setdefault(name[: -len(LORA_B_SUFFIX)], {})["B"] = tensor
+        elif ".adapter." in name:
+            raise NotImplementedError(f"adapter tensor {key!r} is not plain LoRA (linear_in/linear_out)")
+    out = {}
+    for module in sorted(factors, key=_canonical_order):
+        pair = factors[module]
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{module}: LoRA needs both linear_in and linear_out, got {sorted(pair)}")
+        if pair["A"].shape[0] != pair["B"].shape[1]:
+            raise ValueError(f"{module}: rank of A {tuple(pair['A'].shape)} != rank of B {tuple(pair['B'].shape)}")
+        out[module] = (pair["A"], pair["B"])
+    return out
+
+
+def hf_lora_groups(layout: ModelLayout, adapter_state: Mapping[str, torch.Tensor],
+                   fc1_tp_shards: int = 1) -> list[HfLoraGroup]:
+    """Trainer adapter_state() -> LoRA factors per HF module, grouped by Megatron linear."""
+    groups = []
+    for module, (a, b) in megatron_lora_modules(adapter_state).items():
+        mm = module_map(layout.family, module)
+        groups.append(HfLoraGroup(module, mm.hf_modules, a, split_lora_b(layout, mm, b, fc1_tp_shards)))
+    return groups
+
+
+def peft_state_dict(groups: Iterable[HfLoraGroup]) -> dict[str, torch.Tensor]:
+    """HF PEFT adapter tensors: base_model.model.<module>.lora_A.weight [r, in] / lora_B.weight [out, r]."""
+    out = {}
+    for g in groups:
+        for module, b in zip(g.hf_modules, g.lora_b):
+            out[f"base_model.model.{module}.lora_A.weight"] = g.lora_a.contiguous()
+            out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    return out
+
+
+def peft_adapter_config(groups: Iterable[HfLoraGroup], dim: int, alpha: float,
+                        base_model_name_or_path: str | None = None) -> dict[str, Any]:
+    """adapter_config.json content. PEFT scales by lora_alpha / r, Megatron by alpha / dim: equal."""
+    targets = sorted({m.rsplit(".", 1)[-1] for g in groups for m in g.hf_modules})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(dim), "lora_alpha": alpha,
+            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
+            "base_model_name_or_path": base_model_name_or_path}
+
+
+def write_peft_adapter(out_dir: str | Path, groups: list[HfLoraGroup], dim: int, alpha: float,
+                       base_model_name_or_path: str | None = None) -> Path:
+    """Write adapter_model.safetensors + adapter_config.json (what PeftModel and vLLM load)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(peft_state_dict(groups), str(out / "adapter_model.safetensors"))
+    config = peft_adapter_config(groups, dim, alpha, base_model_name_or_path)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the merge
+
+
+def lora_numbers(lora_config: Any) -> tuple[int, float]:
+    """(dim, alpha) from the trainer's lora_config(): a mapping or an object with dim/alpha."""
+    get = lora_config.get if isinstance(lora_config, Mapping) else (lambda k: getattr(lora_config, k, None))
+    dim, alpha = get("dim"), get("alpha")
+    if dim is None or alpha is None:
+        raise ValueError(f"lora_config needs dim and alpha, got {lora_config!r}")
+    return int(dim), alpha
+
+
+def merge_lora_weight(base: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor,
+                      alpha: float, dim: int) -> torch.Tensor:
+    """W = base + (alpha / dim) * (B @ A), with the Bridge's merged export's dtypes and order.
+
+    Megatron-Bridge (_merge_single_adapter_weight -> LoRAMerge.merge, TP=1 after gathering):
+    float32 copies of all three, lora = scale * (B @ A) with scale the Python float alpha / dim,
+    merged = base + lora, cast back to base's dtype. Same inputs, same device kind -> same bits.
+    """
+    scale = alpha / dim
+    lora = scale * (lora_b.to(device=base.device, dtype=torch.float32)
+                    @ lora_a.to(device=base.device, dtype=torch.float32))
+    return (base.float() + lora).to(base.dtype)
