@@ -42,8 +42,9 @@ def compose(overrides: list[str]) -> DictConfig:
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name="launcher"):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    except OverrideParseException as e:
-        raise ConfigError(_override_of(e, overrides), "cannot parse this override (expected key=value)") from None
+    except OverrideParseException:
+        raise ConfigError(_unparsable(overrides), "cannot parse this override (expected key=value; quote "
+                                                  "values with special characters: key='a b')") from None
     except MissingConfigException as e:
         raise ConfigError("config", _first_line(e)) from None
     except HydraException as e:
@@ -63,6 +64,19 @@ def _check_group_choice(override: str) -> None:
     key = key.lstrip("+~")
     if sep and key in GROUPS and not (CONF_DIR / key / f"{value}.yaml").exists():
         raise ConfigError(key, f"no option {value!r}; available: {', '.join(group_options(key))}")
+
+
+def _unparsable(overrides: list[str]) -> str:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except OverrideParseException:
+            return o
+    return "overrides"
 
 
 def _first_line(e: Exception) -> str:

@@ -111,7 +111,7 @@ def check(t: Topology) -> list[ConfigError]:
         return errs
     if t.executor == "local" and t.nodes != 1:
         err("nodes", f"the local executor runs on this machine: nodes must be 1, got {t.nodes}")
-    if t.colocate_roles:
+    elif t.colocate_roles:
         if (t.nodes, tr.nodes, gen.nodes) != (1, 1, 1):
             err("colocate_roles", "sharing a node between roles needs nodes = train.nodes = generation.nodes = 1")
     elif tr.nodes + gen.nodes != t.nodes:
