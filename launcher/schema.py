@@ -200,6 +200,13 @@ class RayCfg:
 
 
 @dataclass
+class Logging:
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None
+    wandb_entity: Optional[str] = None
+
+
+@dataclass
 class Config:
     topology: Topology = field(default_factory=Topology)
     model: Model = field(default_factory=Model)
@@ -212,6 +219,7 @@ class Config:
     run: Run = field(default_factory=Run)
     vllm: Vllm = field(default_factory=Vllm)
     ray: RayCfg = field(default_factory=RayCfg)
+    logging: Logging = field(default_factory=Logging)
     dry_run: bool = False
     resume: Optional[str] = None   # added by +resume=...
 
