@@ -91,7 +91,7 @@ def summary(rows: list[dict]) -> str:
     mean = lambda key: sum(float(r.get(key, 0.0)) for r in rows) / len(rows)  # noqa: E731
     lines = [
         f"{'steps':<34} {first['step']} -> {last['step']}",
-        f"{'reward (mean of first/last ' + str(k) + ' steps)':<35}{start:.3f} -> {end:.3f}",
+        f"{'reward (first -> last ' + str(k) + ' steps)':<34} {start:.3f} -> {end:.3f}",
         f"{'max gen_kl_error':<34} {max(float(r['train/gen_kl_error']) for r in rows):.3e}",
         f"{'max token_mult_prob_error':<34} {max(float(r['train/token_mult_prob_error']) for r in rows):.6f}",
         f"{'seconds per step (mean)':<34} {mean('timing/total_step'):.2f}",

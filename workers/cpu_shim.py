@@ -11,6 +11,10 @@ Patches, each with what and why (all recorded in APPLIED):
                     Python >= 3.12 and uses `from typing import override`; we run 3.11.
   current_device    torch.cuda.current_device() returns "cpu". Rotary embeddings, DDP buffers and
                     many layers call `device=torch.cuda.current_device()`.
+  cuda_sync         torch.cuda.current_stream() returns a stream whose waits do nothing and
+                    torch.cuda.synchronize() does nothing: megatron DDP's grad sync asks for the
+                    current stream before every reduction and dist_checkpointing synchronizes
+                    before writing (CPU ops are synchronous: there is nothing to wait for).
   import_stubs      a builtins.__import__ hook that hands (a) a dummy `transformer_engine` only to
                     `megatron.bridge.peft.*` (lora_layers.py imports it unconditionally) and
                     (b) a permissive dummy `triton` only to `megatron.*` (megatron-core imports
@@ -50,6 +54,7 @@ def apply(device: str) -> list[str]:
     if not is_cpu(device):
         return list(APPLIED)
     _current_device()
+    _cuda_sync()
     _import_stubs()
     _causal_mask()
     _bridge_no_te()
@@ -77,6 +82,27 @@ def _current_device() -> None:
 
     if not torch.cuda.is_available() and _once("current_device"):
         torch.cuda.current_device = lambda: "cpu"
+
+
+class _NoStream:
+    """A stand-in for torch.cuda.Stream on CPU: every wait is already satisfied."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _cuda_sync() -> None:
+    import torch
+
+    if not torch.cuda.is_available() and _once("cuda_sync"):
+        torch.cuda.current_stream = lambda device=None: _NoStream()
+        torch.cuda.synchronize = lambda device=None: None
 
 
 class _Anything:

@@ -105,4 +105,4 @@ def test_metrics_jsonl_drops_steps_after_the_resumed_checkpoint(tmp_path, capsys
     m2.log(3, {"train/reward": 0.7})
     assert [(r["step"], r["train/reward"]) for r in read(tmp_path / "metrics.jsonl")] == [(1, 0.1), (2, 0.2), (3, 0.7)]
     text = summary(read(tmp_path / "metrics.jsonl")[:2])
-    assert "reward (mean of first/last 1 steps) 0.100 -> 0.200" in text
+    assert "reward (first -> last 1 steps)     0.100 -> 0.200" in text
