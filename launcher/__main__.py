@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if spec is None:
         return _run_here(cfg, plan, run_dir)
+    if not cfg.submit:
+        print(f"wrote {run_dir} (config.yaml, plan.txt, ray_job.sbatch); submit it with:\n"
+              f"  sbatch {run_dir}/ray_job.sbatch")
+        return 0
     return _submit(cfg, plan, run_dir)
 
 

@@ -221,6 +221,7 @@ class Config:
     ray: RayCfg = field(default_factory=RayCfg)
     logging: Logging = field(default_factory=Logging)
     dry_run: bool = False
+    submit: bool = True
     resume: Optional[str] = None   # added by +resume=...
 
 

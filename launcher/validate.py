@@ -31,7 +31,7 @@ REFIT_MODES = ("merged", "merged_delta", "adapter")
 TRANSPORTS = ("auto", "ray", "gloo", "nccl")
 DATASETS = ("say_number", "math_add")
 REWARDS = ("say_number", "math_answer")
-JOBS = ("grpo", "placement_smoke")
+JOBS = ("grpo", "placement_smoke", "hold")
 
 
 def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
