@@ -1,0 +1,81 @@
+"""The launcher's local executor end to end: a real Ray head with token auth, placement, cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+PY = sys.executable
+
+
+def _ray_processes_of(temp_prefix: str) -> list[str]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if temp_prefix in cmd:
+                out.append(f"{d}: {cmd[:120]}")
+    return out
+
+
+def test_local_placement_smoke_and_cleanup(tmp_path):
+    p = subprocess.run([PY, "-m", "launcher", "run.job=placement_smoke", f"run.root={tmp_path}"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "local-tiny_llama"
+    report = json.loads((run / "placement.json").read_text())
+    assert [(a["role"], a["index"]) for a in report["actors"]] == [("train", 0), ("train", 1), ("generation", 0)]
+    assert (run / "config.yaml").is_file() and (run / "plan.txt").read_text().startswith("training: 2 ranks")
+    assert "placement smoke: 3 actors on their planned nodes" in p.stdout
+    rendezvous = next((run / "ray").iterdir())
+    assert oct((rendezvous / "token").stat().st_mode & 0o777) == "0o600"
+    assert json.loads((rendezvous / "done").read_text()) == {"ok": True, "error": None}
+    job = rendezvous.name.split(".")[0]
+    assert _ray_processes_of(f"/tmp/ray_{job}_") == []  # every Ray process of the job was stopped
+
+
+def test_token_is_required_to_attach(tmp_path):
+    proc = subprocess.Popen([PY, "-m", "launcher", "run.job=hold", f"run.root={tmp_path}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = tmp_path / "local-tiny_llama"
+    try:
+        deadline = time.time() + 120
+        while not list(run.glob("ray/*/head.json")) or not (run / "placement.json").exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline
+            time.sleep(0.5)
+        rendezvous = next((run / "ray").iterdir())
+        head = json.loads((rendezvous / "head.json").read_text())
+        attach = ("import ray, sys\n"
+                  f"ray.init(address='{head['ip']}:{head['port']}', logging_level='ERROR')\n"
+                  "print('NODES', len(ray.nodes()))\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        env["RAY_gcs_server_port_wait_time_s"] = "2"  # a refused client gives up after 2 tries, not 20
+        denied = subprocess.run([PY, "-c", attach], capture_output=True, text=True, timeout=120,
+                                env={**env, "RAY_AUTH_MODE": "disabled"})
+        assert denied.returncode != 0
+        assert "Authentication" in denied.stderr or "InvalidAuthToken" in denied.stderr
+        wrong = tmp_path / "wrong_token"
+        wrong.write_text("0" * 64)
+        wrong.chmod(0o600)
+        denied2 = subprocess.run([PY, "-c", attach], capture_output=True, text=True, timeout=120,
+                                 env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)})
+        assert denied2.returncode != 0
+        allowed = subprocess.run([PY, "-c", attach], capture_output=True, text=True, timeout=120,
+                                 env={**env, "RAY_AUTH_MODE": "token",
+                                      "RAY_AUTH_TOKEN_PATH": str(rendezvous / "token")})
+        assert "NODES 1" in allowed.stdout, allowed.stderr[-2000:]
+    finally:
+        (run / "release").touch()
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
