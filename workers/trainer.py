@@ -21,6 +21,7 @@ behind `is_cpu(device)`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -104,6 +105,7 @@ class TrainerConfig:
     micro_batch_size: int = 0  # sequences per micro-batch; 0: the rank's whole shard at once
     activation_checkpointing: bool = False
     init_timeout_s: float = 600.0
+    megatron_log_level: str = "WARNING"  # megatron's INFO logs list every bucket and config field
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -204,6 +206,8 @@ class MegatronTrainer:
                 "pid": os.getpid()}
 
     def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join the process group at master_addr:master_port, build model + optimizer; returns info()."""
+        logging.getLogger("megatron").setLevel(self.cfg.megatron_log_level)  # before megatron imports
         cpu_shim.apply(self.device)
         import torch
         from datetime import timedelta
@@ -237,7 +241,6 @@ class MegatronTrainer:
                 expert_tensor_parallel_size=p.expert_tensor_parallel,
                 create_gloo_process_groups=True)
         self.ps = ps
-        self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
@@ -352,7 +355,6 @@ class MegatronTrainer:
     def _build_optimizer(self) -> None:
         import torch
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         oc, cfg = self.cfg.optim, self.cfg
         dtype = _torch_dtype(cfg.dtype) or torch.float32
@@ -397,6 +399,13 @@ class MegatronTrainer:
         from megatron.core.utils import unwrap_model
 
         return unwrap_model(self.model[0])
+
+    @property
+    def _comm_device(self):
+        """Where small tensors for collectives live (NCCL only reduces CUDA tensors)."""
+        import torch
+
+        return torch.device("cpu") if self.is_cpu else torch.device("cuda", torch.cuda.current_device())
 
     def _seq_multiple(self) -> int:
         return self.cfg.parallel.tensor_parallel if self.provider.sequence_parallel else 1
@@ -500,9 +509,10 @@ class MegatronTrainer:
 
         t0 = time.time()
         mask = batch["loss_mask"].float()
-        local = torch.tensor([mask.sum().item(), float((mask.sum(dim=1) > 0).sum().item())], dtype=torch.float64)
+        local = torch.tensor([mask.sum().item(), float((mask.sum(dim=1) > 0).sum().item())], dtype=torch.float64,
+                             device=self._comm_device)
         torch.distributed.all_reduce(local, group=self.ps.get_data_parallel_group(with_context_parallel=True))
-        normalizer = float(local[0] if self.cfg.loss.token_level_loss else local[1])
+        normalizer = float(local[0].item() if self.cfg.loss.token_level_loss else local[1].item())
         keys = ["input_ids", "loss_mask", "advantages", "prev_logprobs", "generation_logprobs",
                 "reference_logprobs"]
         microbatches = self._microbatches({k: batch[k] for k in keys if batch.get(k) is not None})
@@ -544,7 +554,9 @@ class MegatronTrainer:
             values[:len(names)] += torch.tensor([m[n] * m["num_tokens"] for n in names], dtype=torch.float64)
             values[len(names)] += m["num_tokens"]
             values[len(names) + 1] += m["loss"]
+        values = values.to(self._comm_device)
         torch.distributed.all_reduce(values, group=self.ps.get_data_parallel_group(with_context_parallel=True))
+        values = values.cpu()
         tokens = max(values[len(names)].item(), 1.0)
         out = {n: values[i].item() / tokens for i, n in enumerate(names)}
         out.update(loss=values[len(names) + 1].item(), num_tokens=values[len(names)].item())
