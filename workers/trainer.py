@@ -123,6 +123,15 @@ class TrainerConfig:
         cfg.check()
         return cfg
 
+    @classmethod
+    def from_run_config(cls, cfg: dict, model_path: str, **top) -> "TrainerConfig":
+        """From the composed run config as plain data (OmegaConf.to_container(cfg, resolve=True))."""
+        return cls.from_sections(
+            model_path, parallel=cfg["topology"]["train"], peft=cfg["peft"], optim=cfg["optim"],
+            loss=cfg["grpo"]["loss"], **{"device": cfg["topology"]["device"], "dtype": cfg["model"]["dtype"],
+                                         "seed": cfg["run"]["seed"], "max_num_steps": cfg["grpo"]["max_num_steps"],
+                                         **top})
+
     def check(self) -> None:
         if self.peft.enabled and not self.peft.target_modules:
             raise ValueError("peft.enabled needs a non-empty peft.target_modules")
@@ -593,6 +602,17 @@ class MegatronTrainer:
         from workers import refit
 
         return refit.trainer_payload(self, mode, bucket_mb)
+
+    def open_refit_group(self, host: str, port: int, world_size: int, backend: str = "gloo") -> None:
+        """Rank 0 only: host workers.refit's broadcast group (blocks until the generators join)."""
+        from workers import refit
+
+        refit.open_sender_group(host, port, world_size, backend)
+
+    def close_refit_group(self) -> None:
+        from workers import refit
+
+        refit.close_sender_group()
 
     def lora_config(self) -> dict:
         pc, mc = self.cfg.peft, self.model_config

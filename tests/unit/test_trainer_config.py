@@ -1,0 +1,72 @@
+"""TrainerConfig takes the project's config sections as they are; the DP batch split is exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from workers.trainer import TrainerConfig, guard_refit_names
+from workers.trainer_group import split_batch
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def section(path: str) -> dict:
+    return yaml.safe_load((CONF / path).read_text())
+
+
+@pytest.mark.parametrize("peft", sorted(p.name for p in (CONF / "peft").glob("*.yaml")))
+@pytest.mark.parametrize("topology", ["local.yaml", "slurm_3n.yaml", "ultra_6n4g.yaml"])
+def test_every_peft_and_topology_section_is_accepted(peft, topology):
+    topo = section(f"topology/{topology}")
+    train = {k: (4 if isinstance(v, str) else v) for k, v in topo["train"].items()}  # ${...} interpolations
+    cfg = TrainerConfig.from_sections(
+        "/models/x", parallel=train, peft=section(f"peft/{peft}"), optim=section("optim/adam_constant.yaml"),
+        loss=section("grpo/demo.yaml")["loss"], device=topo["device"], seed=1, max_num_steps=12)
+    assert cfg.peft.enabled == section(f"peft/{peft}")["enabled"]
+    assert cfg.parallel.tensor_parallel == topo["train"]["tensor_parallel"]
+    # optim.use_distributed_optimizer: auto = distributed on cuda only (megatron refuses CPU tensors)
+    assert cfg.use_distributed_optimizer == (topo["device"] == "cuda")
+
+
+def test_from_run_config():
+    run = {"topology": section("topology/local.yaml"), "peft": section("peft/lora_attention.yaml"),
+           "optim": section("optim/adam_constant.yaml"), "grpo": section("grpo/demo.yaml"),
+           "model": section("model/tiny_llama.yaml"), "run": {"seed": 1234}}
+    cfg = TrainerConfig.from_run_config(run, "/tmp/model", micro_batch_size=2)
+    assert (cfg.seed, cfg.max_num_steps, cfg.device, cfg.dtype, cfg.micro_batch_size) == (1234, 12, "cpu", "float32", 2)
+    assert cfg.parallel.tensor_parallel == 2 and cfg.peft.target_modules == ["linear_qkv", "linear_proj"]
+    assert cfg.loss.ratio_clip_c == 10.0 and cfg.optim.lr == 1e-5
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"peft": {"enabled": True, "target_modules": []}}, "target_modules"),
+    ({"peft": {"lora_rank": 8}}, r"peft: unknown keys \['lora_rank'\]"),
+    ({"optim": {"optimizer": "muon"}}, "adam or sgd"),
+    ({"parallel": {"tensor_parallel": 2, "sequence_parallel": True}}, "sequence_parallel"),
+    ({"parallel": {"context_parallel": 2}}, "context_parallel"),
+    ({"loss": {"ratio_clip_c": 0.5}}, "ratio_clip_c"),
+])
+def test_bad_sections_are_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig.from_sections("/m", **bad)
+
+
+def test_split_batch_is_contiguous_and_complete():
+    batch = {"input_ids": torch.arange(5)[:, None].repeat(1, 3), "advantages": torch.arange(5.0), "note": "x"}
+    parts = split_batch(batch, 2)
+    assert [p["advantages"].tolist() for p in parts] == [[0.0, 1.0], [2.0, 3.0, 4.0]]
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts]), batch["input_ids"])
+    assert parts[1]["note"] == "x"
+    with pytest.raises(ValueError, match="cannot be split"):
+        split_batch(batch, 6)
+
+
+def test_refit_guard_names_the_offending_weight():
+    t = torch.zeros(1)
+    assert [n for n, _ in guard_refit_names([("model.norm.weight", t)])] == ["model.norm.weight"]
+    with pytest.raises(RuntimeError, match=r"'model.layers.0.mlp.down_proj.base_layer.weight'.*'.base_layer'"):
+        list(guard_refit_names([("model.layers.0.mlp.down_proj.base_layer.weight", t)]))
