@@ -67,6 +67,11 @@ class JobContext:
     def log_path(self, what: str) -> Path:
         return self.run_dir / "logs" / f"{what}-{self.hostname}.log"
 
+    @property
+    def ray_temp_dir(self) -> Path:
+        """Node-local and short (Ray's unix socket paths must stay under 108 characters)."""
+        return Path(f"/tmp/ray_{self.job_id}_{self.attempt}_{self.node_index}")
+
 
 def log(msg: str) -> None:
     print(f"[launcher {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -153,6 +158,9 @@ def wait_for_nodes(ctx: JobContext, cfg: Config, plan: topology.Plan) -> None:
     while True:
         alive = {key for n in ray.nodes() if n.get("Alive") for key in n.get("Resources", {})}
         missing = [n for n in plan.nodes if topology.node_resource(n.index) not in alive]
+        fatal = fatal_ray_error(ctx.ray_temp_dir, since=0.0)  # this job attempt's own temp dir
+        if fatal:
+            raise ClusterError(f"node 0 ({ctx.hostname}, head): {fatal}")
         failed = sorted(ctx.rendezvous.glob("failed_node*.json"))
         if failed:
             reports = [json.loads(p.read_text()) for p in failed]
@@ -193,9 +201,14 @@ def run_worker(ctx: JobContext, cfg: Config, plan: topology.Plan) -> dict:
     time.sleep(0.3 * ctx.node_index)  # stagger joins: many raylets at once miss Ray's registration window
     reason = ""
     for attempt in range(1, cfg.ray.join_retries + 1):
+        started = time.time()
         proc = start_ray(ctx, cfg, node, head_ip=head["ip"], port=head["port"], head=False)
+        fatal = None
         try:
             while not done.exists() and proc.poll() is None:
+                fatal = fatal_ray_error(ctx.ray_temp_dir, since=started)
+                if fatal:
+                    break
                 if not port_open(head["ip"], head["port"]) and not _head_back(head, done):
                     raise ClusterError(f"the Ray head {head['host']} stopped answering")
                 time.sleep(1.0)
@@ -203,7 +216,7 @@ def run_worker(ctx: JobContext, cfg: Config, plan: topology.Plan) -> dict:
             stop_process_tree(proc)
         if done.exists():
             return {"node": ctx.hostname, "role": "worker", "joined": True, "attempts": attempt}
-        reason = f"`ray start` exited with code {proc.returncode} ({_tail(ctx.log_path('ray'))})"
+        reason = fatal or f"`ray start` exited with code {proc.returncode} ({_tail(ctx.log_path('ray'))})"
         log(f"{ctx.hostname}: attempt {attempt}/{cfg.ray.join_retries} to join failed: {reason}")
         time.sleep(1.0)
     return _report_failure(ctx, f"{cfg.ray.join_retries} attempts failed; last: {reason}")
@@ -246,7 +259,7 @@ def start_ray(ctx: JobContext, cfg: Config, node: topology.NodePlan, head_ip: st
            f"--num-gpus={node.gpus if cfg.topology.device == 'cuda' else 0}",
            f"--resources={json.dumps(node.ray_resources())}",
            f"--object-store-memory={r.object_store_mb * 2**20}",
-           f"--temp-dir=/tmp/ray_{ctx.job_id}_{ctx.attempt}_{ctx.node_index}"]  # node-local, short (socket paths)
+           f"--temp-dir={ctx.ray_temp_dir}"]
     if cfg.topology.executor == "slurm":  # pinned ports (each node has its own port space)
         cmd += [f"--node-manager-port={r.node_manager_port}", f"--object-manager-port={r.object_manager_port}",
                 f"--min-worker-port={r.min_worker_port}", f"--max-worker-port={r.max_worker_port}"]
@@ -261,6 +274,30 @@ def start_ray(ctx: JobContext, cfg: Config, node: topology.NodePlan, head_ip: st
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def fatal_ray_error(temp_dir: Path, since: float) -> str | None:
+    """The fatal error of a Ray daemon on this node (raylet, GCS), from its logs, if one died.
+
+    `ray start` notices a dead raylet only after its 30 s registration timeout; the daemon's own
+    log says what happened within a second ("Failed to start the grpc server ... port 6800",
+    "Address already in use")."""
+    logs = temp_dir / "session_latest" / "logs"
+    if not logs.is_dir():
+        return None
+    for f in sorted(logs.glob("*")):
+        if not f.name.startswith(("raylet", "gcs_server")) or f.stat().st_mtime < since:
+            continue
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if " C " in line and "Check failed:" in line:
+                what = line.split("Check failed:", 1)[1].split(" This means", 1)[0].strip()
+                why = " (Address already in use)" if "Address already in use" in text else ""
+                return f"{f.name.split('.')[0]} died: {what}{why} (log: {f})"
+    return None
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,0 +1,133 @@
+"""The launcher on the local multi-node Slurm cluster: submission, the Ray cluster it forms, the
+plain-sbatch path, a node whose Ray worker cannot start, and token authentication."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+PY = sys.executable
+NS = "slt-"  # network namespace prefix of the test cluster's nodes (tests/slurm_cluster/common.sh)
+
+
+def launch(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+    p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", f"run.root={tmp_path}", *overrides],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = re.search(r"submitted job (\d+) \(3 nodes\)", p.stdout)
+    assert m, p.stdout
+    run = Path(re.search(r"run directory: (\S+)", p.stdout).group(1))
+    assert f"follow the driver: tail -F {run}/submitit/{m.group(1)}/{m.group(1)}_0_log.out" in p.stdout
+    return m.group(1), run
+
+
+def task_log(run: Path, job: str, task: int = 0) -> str:
+    d = run / "submitit" / job
+    return "".join((d / f"{job}_{task}_log.{ext}").read_text() for ext in ("out", "err")
+                   if (d / f"{job}_{task}_log.{ext}").exists())
+
+
+def placement(run: Path) -> list[tuple[str, int, str]]:
+    report = json.loads((run / "placement.json").read_text())
+    return [(a["role"], a["index"], a["slurm_node"]) for a in report["actors"]]
+
+
+EXPECTED = [("train", 0, "node1"), ("train", 1, "node2"), ("generation", 0, "node3")]
+PIN = "+slurm.extra_sbatch.nodelist='node[1-3]'"
+
+
+def test_launcher_job_forms_ray_cluster_with_roles_on_planned_nodes(slurm_cluster, tmp_path):
+    job, run = launch(tmp_path, "run.job=placement_smoke", PIN)
+    state = slurm_cluster.wait_job(job, timeout=240)
+    assert state == "COMPLETED", task_log(run, job)
+    assert placement(run) == EXPECTED
+    assert sorted(p.name for p in (run / "logs").glob("ray-*.log")) == ["ray-node1.log", "ray-node2.log",
+                                                                        "ray-node3.log"]
+    assert "all 3 node(s) registered" in task_log(run, job)
+    assert (run / "config.yaml").is_file() and (run / "ray_job.sbatch").is_file()
+    assert json.loads((run / "submissions.jsonl").read_text().splitlines()[0])["job_id"] == job
+    # every Ray process of the job is gone from every node
+    for node in ("node1", "node2", "node3"):
+        pids = subprocess.run(["ip", "netns", "pids", f"{NS}{node}"], capture_output=True, text=True).stdout.split()
+        cmds = [Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace") for p in pids
+                if Path(f"/proc/{p}/cmdline").exists()]
+        assert not [c for c in cmds if "ray" in c and job in c], cmds
+
+
+def test_rendered_sbatch_script_runs_the_same_job(slurm_cluster, tmp_path):
+    p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", f"run.root={tmp_path}", "submit=false",
+                        "run.job=placement_smoke", PIN], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    run = tmp_path / "slurm_3n-tiny_llama"
+    assert f"sbatch {run}/ray_job.sbatch" in p.stdout
+    assert not (run / "submitit").exists()  # nothing submitted
+    job = slurm_cluster.run("sbatch", "--parsable", str(run / "ray_job.sbatch")).strip().split(";")[0]
+    state = slurm_cluster.wait_job(job, timeout=240)
+    out = (run / "logs" / f"sbatch-{job}.out").read_text()
+    assert state == "COMPLETED", out
+    assert placement(run) == EXPECTED
+    assert "all 3 node(s) registered" in out
+
+
+def test_node_whose_ray_worker_cannot_start_fails_fast_with_its_name(slurm_cluster, tmp_path):
+    # node3's Ray worker cannot bind the pinned node-manager port: something else holds it there
+    blocker = subprocess.Popen(["nsenter", f"--net=/run/netns/{NS}node3", PY, "-c",
+                                "import socket, time; s = socket.socket(); "
+                                "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                                "s.bind(('0.0.0.0', 6800)); s.listen(); print('ready', flush=True); time.sleep(600)"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert blocker.stdout.readline().strip() == "ready"
+        t0 = time.time()
+        job, run = launch(tmp_path, "run.job=placement_smoke", PIN, "ray.register_timeout_s=90")
+        state = slurm_cluster.wait_job(job, timeout=240)
+        took = time.time() - t0
+    finally:
+        blocker.kill()
+    log = task_log(run, job)
+    assert state == "FAILED", log
+    done = json.loads(next((run / "ray").glob(f"{job}.*/done")).read_text())
+    assert done["ok"] is False
+    assert done["error"].startswith("ClusterError: node 2 (node3, generation) could not join the Ray cluster: "
+                                    "3 attempts failed; last: raylet died: "), done
+    assert "The specified port is 6800" in done["error"] and "(Address already in use)" in done["error"]
+    assert f"log: {run}/logs/ray-node3.log" in done["error"]
+    assert "node 2 (node3, generation) could not join the Ray cluster" in log
+    assert took < 90, took  # before the registration timeout: the raylet's own log tells at once; no waiting out Ray's 30 s timeouts
+
+
+def test_client_without_the_job_token_cannot_attach(slurm_cluster, tmp_path):
+    job, run = launch(tmp_path, "run.job=hold", PIN)
+    try:
+        deadline = time.time() + 180
+        while not (run / "placement.json").exists():
+            assert slurm_cluster.sacct_state(job) in (None, "PENDING", "RUNNING"), task_log(run, job)
+            assert time.time() < deadline, task_log(run, job)
+            time.sleep(1)
+        rendezvous = next((run / "ray").glob(f"{job}.*"))
+        head = json.loads((rendezvous / "head.json").read_text())
+        attach = (f"import ray; ray.init(address='{head['ip']}:{head['port']}', logging_level='ERROR'); "
+                  "print('NODES', sum(n['Alive'] for n in ray.nodes()))")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        env["RAY_gcs_server_port_wait_time_s"] = "2"
+
+        def attach_from_node1(extra: dict) -> subprocess.CompletedProcess:
+            return subprocess.run(["nsenter", f"--net=/run/netns/{NS}node1", PY, "-c", attach],
+                                  capture_output=True, text=True, timeout=120, env={**env, **extra})
+
+        denied = attach_from_node1({"RAY_AUTH_MODE": "disabled"})
+        assert denied.returncode != 0 and ("Authentication" in denied.stderr or "InvalidAuthToken" in denied.stderr), \
+            denied.stderr[-2000:]
+        allowed = attach_from_node1({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(rendezvous / "token")})
+        assert "NODES 3" in allowed.stdout, allowed.stderr[-2000:]
+    finally:
+        (run / "release").touch()
+    assert slurm_cluster.wait_job(job, timeout=120) == "COMPLETED", task_log(run, job)
