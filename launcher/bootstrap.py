@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,9 +87,65 @@ def run_task(run_dir: str | Path) -> dict:
     if len(ctx.hostnames) != len(plan.nodes):
         raise ClusterError(f"the job has {len(ctx.hostnames)} nodes but topology {cfg.topology.name} plans "
                            f"{len(plan.nodes)}")
-    if ctx.node_index == 0:
+    if ctx.node_index != 0:
+        return run_worker(ctx, cfg, plan)
+    if ctx.attempt > 0:  # requeued (preemption, time limit, node failure): continue from the latest checkpoint
+        cfg.resume = resume_after_requeue(cfg, run_dir)
+        log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
+            (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
+    previous = signal.signal(signal.SIGTERM, _stop_on_signal)  # Slurm's preemption warning
+    try:
         return run_head(ctx, cfg, plan)
-    return run_worker(ctx, cfg, plan)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def resume_after_requeue(cfg: Config, run_dir: Path) -> str | None:
+    from launcher.checkpoints import CheckpointManager
+    from launcher.run_dir import checkpoint_dirs
+
+    done = CheckpointManager(checkpoint_dirs(cfg, run_dir), cfg.checkpointing).complete()
+    return str(done[-1].path) if done else cfg.resume
+
+
+# --------------------------------------------------------------------------------- the driver
+@dataclass
+class RunningDriver:
+    stop: threading.Event
+    thread: threading.Thread
+
+
+CURRENT: RunningDriver | None = None  # the driver running in this process, for signal handlers
+
+
+def _stop_on_signal(signum, frame) -> None:
+    if CURRENT is not None and not CURRENT.stop.is_set():
+        log(f"{signal.Signals(signum).name}: stopping after the current step (a checkpoint is saved first)")
+        CURRENT.stop.set()
+
+
+def run_driver(driver, cfg: Config, plan: topology.Plan, ctx: JobContext):
+    """Run `driver(cfg, plan, ctx, stop)` in a thread: the main thread stays free to take signals
+    (preemption, Ctrl-C), which set `stop`; the driver ends at its next step boundary."""
+    global CURRENT
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = driver(cfg, plan, ctx, CURRENT.stop)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            box["error"] = e
+
+    CURRENT = RunningDriver(threading.Event(), threading.Thread(target=target, name="driver", daemon=True))
+    CURRENT.thread.start()
+    try:
+        while CURRENT.thread.is_alive():
+            CURRENT.thread.join(0.5)
+    finally:
+        CURRENT = None
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 # ----------------------------------------------------------------------------------------- head
@@ -116,7 +173,7 @@ def run_head(ctx: JobContext, cfg: Config, plan: topology.Plan, driver=None) -> 
         if driver is None:
             from launcher import driver as driver_mod
             driver = driver_mod.run
-        result = driver(cfg, plan, ctx)
+        result = run_driver(driver, cfg, plan, ctx)
         status["ok"] = True
         return {"node": ctx.hostname, "role": "head", "result": result}
     except BaseException as e:
@@ -133,9 +190,14 @@ def connect(ctx: JobContext, ip: str, port: int) -> None:
     os.environ.update(auth_env(ctx))  # before ray is imported: Ray reads the auth mode once
     import ray
 
+    from launcher import worker_logs
+
+    actor_logs = str(ctx.run_dir / "logs" / "actors")
     try:
-        ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}})
+        ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_logs.ENV: actor_logs},
+                              "worker_process_setup_hook": "launcher.worker_logs.redirect"})
+        log(f"actor logs: {actor_logs}/<host>-pid<pid>.log")
     except (ConnectionError, RuntimeError) as e:
         raise ClusterError(f"the driver could not connect to the Ray head at {ip}:{port}: "
                            f"{str(e).splitlines()[0]}") from e
@@ -273,7 +335,19 @@ def start_ray(ctx: JobContext, cfg: Config, node: topology.NodePlan, head_ip: st
     with open(log_file, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=_block_job_signals)
+
+
+JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR2}
+
+
+def _block_job_signals() -> None:
+    """In the child before exec: Slurm signals every process of the job (preemption SIGTERM, the
+    time-limit USR2). Ray's daemons and workers would shut down (or die: USR2's default action)
+    in the middle of the step that is being checkpointed. The mask is inherited by every Ray
+    process, so the bootstrap alone reacts to the job's signals, and stops Ray itself by PID."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
 
 
 def fatal_ray_error(temp_dir: Path, since: float) -> str | None:
@@ -318,26 +392,24 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def stop_process_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM `proc`'s session and every descendant (snapshotted first: orphans get reparented),
-    then SIGKILL whatever is left after grace_s. By PID only."""
+def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGKILL `proc`'s session and every descendant (snapshotted first: orphans get reparented).
+    By PID only. No SIGTERM: Ray's processes block it (see _block_job_signals), and a Ray node
+    that is being taken down has nothing worth draining."""
     pids = _descendants(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for target in pids:
-            try:
-                os.kill(target, sig)
-            except ProcessLookupError:
-                pass
+    for target in pids:
         try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
             pass
-        deadline = time.time() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while time.time() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.1)
-            proc.poll()
-        if not any(_alive(p) for p in pids):
-            break
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+        proc.poll()
     proc.poll()
 
 

@@ -4,8 +4,8 @@ The order in which prompts are served is a pure function of (seed, epoch, positi
 run that knows how many prompts it consumed serves exactly the prompts an uninterrupted run
 would have served next. No iterator state to save.
 
-- `say_number` (the embedded demo): "say a number between 40 and 49 ." rewarded 1 when the
-  first word of the answer is a number in the range. A random tiny model rarely does this
+- `say_number` (the embedded demo): "say numbers between 40 and 49 ." rewarded with the fraction
+  of the answer's words that are numbers in the range. A random tiny model rarely does this
   (about 4% of its vocabulary qualifies); LoRA on attention learns it in a few minutes on CPU.
 - `math_add` (for real models): "what is 12 + 25 ? give only the answer ." rewarded 1 when the
   first number in the answer is the sum (the reference's smoke prompt, with random operands).
@@ -28,7 +28,7 @@ class Example:
 
 def _say_number(seed: int) -> list[Example]:
     lows = (10, 40, 70, 100)
-    return [Example(i, f"say a number between {lo} and {lo + 9} .", [lo, lo + 9]) for i, lo in enumerate(lows)]
+    return [Example(i, f"say numbers between {lo} and {lo + 9} .", [lo, lo + 9]) for i, lo in enumerate(lows)]
 
 
 def _math_add(seed: int, n: int = 256) -> list[Example]:
@@ -73,9 +73,8 @@ _INT = re.compile(r"-?\d+")
 
 def say_number(response: str, target: list[int]) -> float:
     words = response.split()
-    if not words or not _INT.fullmatch(words[0]):
-        return 0.0
-    return 1.0 if target[0] <= int(words[0]) <= target[1] else 0.0
+    hits = sum(1 for w in words if _INT.fullmatch(w) and target[0] <= int(w) <= target[1])
+    return hits / len(words) if words else 0.0
 
 
 def math_answer(response: str, target: int) -> float:

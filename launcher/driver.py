@@ -3,11 +3,13 @@
 `run.job=placement_smoke` places one probe actor per trainer rank and vLLM engine and checks
 each landed on its planned node (the launcher's own health check). `run.job=hold` does the same,
 then keeps the cluster up (to attach a driver with the job's token) until `touch RUN/release`
-or the time limit. The GRPO loop lands here next.
+or the time limit. `run.job=grpo` (the default) runs
+launcher.grpo.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 from launcher import placement, topology
@@ -15,16 +17,18 @@ from launcher.bootstrap import JobContext, log
 from launcher.schema import Config
 
 
-def run(cfg: Config, plan: topology.Plan, ctx: JobContext) -> dict:
+def run(cfg: Config, plan: topology.Plan, ctx: JobContext, stop: threading.Event) -> dict:
     if cfg.run.job == "grpo":
-        raise NotImplementedError("the GRPO loop is not built yet; use run.job=placement_smoke")
+        from launcher import grpo
+
+        return grpo.run(cfg, plan, ctx, stop)
     report = placement.smoke(plan, ctx.hostnames, ctx.run_dir / "placement.json")
     log(f"placement smoke: {len(report['actors'])} actors on their planned nodes in {report['seconds']}s")
     if cfg.run.job == "hold":
         release = ctx.run_dir / "release"
         log(f"holding the cluster: attach with RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={ctx.rendezvous / 'token'}; "
             f"end with: touch {release}")
-        while not release.exists():
+        while not release.exists() and not stop.is_set():
             time.sleep(1.0)
-        release.unlink()
+        release.unlink(missing_ok=True)
     return report

@@ -39,6 +39,10 @@ def checkpoint_dirs(cfg: Config, run_dir: Path) -> Path:
 def prepare(cfg: Config, raw: DictConfig, plan: topology.Plan, run_dir: Path, spec: sbatch.JobSpec | None) -> None:
     """Check the run directory may be used, then write config.yaml, plan.txt and ray_job.sbatch."""
     ckpts = checkpoint_dirs(cfg, run_dir)
+    if cfg.resume is not None:
+        from launcher.checkpoints import CheckpointManager
+
+        CheckpointManager(ckpts, cfg.checkpointing).resolve(cfg.resume)  # a one-line error if unusable
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "

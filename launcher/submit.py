@@ -26,6 +26,28 @@ class JobTask(submitit.helpers.Checkpointable):
 
         return run_task(self.run_dir)
 
+    def checkpoint(self) -> submitit.helpers.DelayedSubmission:
+        """submitit calls this on task 0 when USR2 arrives (time limit or preemption): stop the
+        driver at the end of its step (it saves a checkpoint), then requeue. The restarted job
+        resumes from the latest checkpoint by itself (bootstrap.run_task)."""
+        from launcher import bootstrap
+
+        running = bootstrap.CURRENT
+        if running is not None:
+            bootstrap.log("USR2: checkpointing at the end of this step, then requeueing")
+            running.stop.set()
+            running.thread.join(timeout=_budget_s(self.run_dir))
+        return submitit.helpers.DelayedSubmission(JobTask(self.run_dir))
+
+
+def _budget_s(run_dir: str) -> float:
+    """Time to finish the step and save: the signal's lead on the kill, less a margin to requeue."""
+    from launcher import config as config_mod
+    from launcher.schema import typed
+
+    cfg = typed(config_mod.load(Path(run_dir) / "config.yaml"))
+    return max(5.0, cfg.slurm.signal_delay_s - 15.0)
+
 
 def submitit_folder(run_dir: Path) -> Path:
     return run_dir / "submitit" / "%j"
@@ -43,5 +65,19 @@ def run_local(cfg: Config, plan: topology.Plan, run_dir: Path) -> dict:
     """executor=local: this process is task 0 of a one-node job (Ray head + driver)."""
     from launcher import bootstrap
 
+    import signal
+
     ctx = bootstrap.JobContext.local(run_dir)
-    return bootstrap.run_head(ctx, cfg, plan)
+
+    def on_sigint(signum, frame):
+        if bootstrap.CURRENT is None or bootstrap.CURRENT.stop.is_set():
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        print("\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again to stop now)",
+              flush=True)
+        bootstrap.CURRENT.stop.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        return bootstrap.run_head(ctx, cfg, plan)
+    finally:
+        signal.signal(signal.SIGINT, previous)

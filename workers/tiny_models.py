@@ -97,6 +97,7 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     out = Path(out_dir)
     stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": RECIPES[recipe]}
     if (out / "tiny_model.json").exists() and json.loads((out / "tiny_model.json").read_text()) == stamp:

@@ -24,9 +24,9 @@ def test_data_order_is_a_pure_function_of_seed_epoch_position():
 
 
 def test_rewards():
-    assert data.say_number("42 and more", [40, 49]) == 1.0
-    assert data.say_number("39", [40, 49]) == 0.0
-    assert data.say_number("answer 42", [40, 49]) == 0.0
+    assert data.say_number("42 41 49 40", [40, 49]) == 1.0
+    assert data.say_number("42 and more 39", [40, 49]) == 0.25
+    assert data.say_number("39 50", [40, 49]) == 0.0
     assert data.say_number("", [40, 49]) == 0.0
     assert data.math_answer("37", 37) == 1.0
     assert data.math_answer("the answer is 37 .", 37) == 1.0

@@ -37,7 +37,7 @@ def test_from_run_config():
            "optim": section("optim/adam_constant.yaml"), "grpo": section("grpo/demo.yaml"),
            "model": section("model/tiny_llama.yaml"), "run": {"seed": 1234}}
     cfg = TrainerConfig.from_run_config(run, "/tmp/model", micro_batch_size=2)
-    assert (cfg.seed, cfg.max_num_steps, cfg.device, cfg.dtype, cfg.micro_batch_size) == (1234, 12, "cpu", "float32", 2)
+    assert (cfg.seed, cfg.max_num_steps, cfg.device, cfg.dtype, cfg.micro_batch_size) == (1234, run["grpo"]["max_num_steps"], "cpu", "float32", 2)
     assert cfg.parallel.tensor_parallel == 2 and cfg.peft.target_modules == ["linear_qkv", "linear_proj"]
     assert cfg.loss.ratio_clip_c == 10.0 and cfg.optim.lr == 1e-5
 
