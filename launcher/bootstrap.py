@@ -192,7 +192,7 @@ def connect(ctx: JobContext, ip: str, port: int) -> None:
 
     from launcher import worker_logs
 
-    actor_logs = str(ctx.run_dir / "logs" / "actors")
+    actor_logs = worker_logs.log_dir(ctx.run_dir)
     try:
         ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_logs.ENV: actor_logs},
@@ -335,7 +335,9 @@ def start_ray(ctx: JobContext, cfg: Config, node: topology.NodePlan, head_ip: st
     with open(log_file, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        # under launcher.reaper: nothing of this Ray node survives this process (see its docstring)
+        return subprocess.Popen([sys.executable, "-m", "launcher.reaper", str(os.getpid()), *cmd], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=_block_job_signals)
 
 
@@ -374,51 +376,19 @@ def fatal_ray_error(temp_dir: Path, since: float) -> str | None:
     return None
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, stack = [], [pid]
-    while stack:
-        p = stack.pop()
-        out.append(p)
-        stack.extend(children.get(p, []))
-    return out
-
-
 def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGKILL `proc`'s session and every descendant (snapshotted first: orphans get reparented).
-    By PID only. No SIGTERM: Ray's processes block it (see _block_job_signals), and a Ray node
-    that is being taken down has nothing worth draining."""
-    pids = _descendants(proc.pid)
-    for target in pids:
-        try:
-            os.kill(target, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL everything below `proc` (a launcher.reaper: a subreaper, so the node's whole Ray tree
+    stays below it, orphans included), then the reaper itself. By PID only. No SIGTERM: Ray's
+    processes block it (see _block_job_signals), and a node being taken down has nothing to drain."""
+    from launcher.reaper import descendants, kill_below
+
     deadline = time.time() + timeout_s
-    while time.time() < deadline and any(_alive(p) for p in pids):
+    while time.time() < deadline and proc.poll() is None and len(descendants(proc.pid)) > 1:
+        kill_below(proc.pid)  # repeated: catches a process forked while we were killing
         time.sleep(0.1)
-        proc.poll()
-    proc.poll()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=timeout_s)
 
 
 # ------------------------------------------------------------------------------------- network

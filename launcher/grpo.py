@@ -100,9 +100,10 @@ class GrpoRun:
     def _print_actor_logs(self) -> None:
         from launcher import worker_logs
 
-        lines = [f"  trainer rank {i['rank']}: {worker_logs.path_for(i['pid'], i['hostname'])}"
+        d = worker_logs.log_dir(self.run_dir)
+        lines = [f"  trainer rank {i['rank']}: {worker_logs.path_for(d, i['pid'], i['hostname'])}"
                  for i in self.trainers.infos]
-        lines += [f"  vLLM engine {e}: {worker_logs.path_for(i['pid'], i.get('hostname'))}"
+        lines += [f"  vLLM engine {e}: {worker_logs.path_for(d, i['pid'], i.get('hostname'))}"
                   for e, i in enumerate(self.generators.infos)]
         log("actor logs:\n" + "\n".join(lines))
 

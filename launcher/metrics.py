@@ -115,8 +115,8 @@ def plot(rows: list[dict], out: Path) -> Path | None:
     a.plot(steps, [r["train/reward"] for r in rows], marker="o")
     a.set(xlabel="step", ylabel="mean reward", title="reward")
     a.grid(alpha=0.3)
-    b.semilogy(steps, [max(float(r["train/gen_kl_error"]), 1e-12) for r in rows], marker="o", label="gen_kl_error")
-    b.semilogy(steps, [max(float(r["train/token_mult_prob_error"]) - 1.0, 1e-12) for r in rows], marker="x",
+    b.semilogy(steps, [max(float(r["train/gen_kl_error"]), 1e-18) for r in rows], marker="o", label="gen_kl_error")
+    b.semilogy(steps, [max(float(r["train/token_mult_prob_error"]) - 1.0, 1e-18) for r in rows], marker="x",
                label="token_mult_prob_error - 1")
     b.set(xlabel="step", title="train vs generation logprobs")
     b.legend()

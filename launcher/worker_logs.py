@@ -14,16 +14,20 @@ import sys
 ENV = "LAUNCHER_ACTOR_LOG_DIR"
 
 
-def path_for(pid: int, host: str | None = None) -> str:
-    return os.path.join(os.environ.get(ENV, "."), f"{host or socket.gethostname()}-pid{pid}.log")
+def log_dir(run_dir) -> str:
+    return os.path.join(str(run_dir), "logs", "actors")
+
+
+def path_for(directory: str, pid: int, host: str | None = None) -> str:
+    return os.path.join(directory, f"{host or socket.gethostname()}-pid{pid}.log")
 
 
 def redirect() -> None:
-    log_dir = os.environ.get(ENV)
-    if not log_dir:
+    directory = os.environ.get(ENV)
+    if not directory:
         return
-    os.makedirs(log_dir, exist_ok=True)
-    fd = os.open(path_for(os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(path_for(directory, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
