@@ -254,12 +254,16 @@ def hf_lora_groups(layout: ModelLayout, adapter_state: Mapping[str, torch.Tensor
 
 
 def peft_state_dict(groups: Iterable[HfLoraGroup]) -> dict[str, torch.Tensor]:
-    """HF PEFT adapter tensors: base_model.model.<module>.lora_A.weight [r, in] / lora_B.weight [out, r]."""
+    """HF PEFT adapter tensors: base_model.model.<module>.lora_A.weight [r, in] / lora_B.weight [out, r].
+
+    Own storage per tensor: A is shared by the modules of a fused linear and the Bs may be views
+    of one fused B, and safetensors refuses to save tensors that share memory.
+    """
     out = {}
     for g in groups:
         for module, b in zip(g.hf_modules, g.lora_b):
-            out[f"base_model.model.{module}.lora_A.weight"] = g.lora_a.contiguous()
-            out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+            out[f"base_model.model.{module}.lora_A.weight"] = g.lora_a.clone(memory_format=torch.contiguous_format)
+            out[f"base_model.model.{module}.lora_B.weight"] = b.clone(memory_format=torch.contiguous_format)
     return out
 
 
