@@ -1,0 +1,165 @@
+"""`python -m launcher.export` refusals: one exact line on stderr, exit code 2, no traceback.
+
+Checkpoints here are small run checkpoints written with the launcher's CheckpointManager and a
+plain torch.distributed.checkpoint (the format megatron's torch_dist writes; the GPT stack's keys,
+a leading layer axis), so no Megatron model is needed. Real trainer checkpoints are exported in
+tests/integration/test_export.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+R, HIDDEN, QKV = 8, 128, 256  # tiny_llama: 4 heads + 2 * 2 groups of 32
+QKV_IN = "decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight"
+QKV_OUT = "decoder.layers.self_attention.linear_qkv.adapter.linear_out.weight"
+
+
+def attention_lora(rank: int = R, layers: int = 2) -> dict:
+    return {QKV_IN: torch.randn(layers, rank, HIDDEN), QKV_OUT: torch.randn(layers, QKV, rank),
+            "decoder.layers.self_attention.linear_proj.adapter.linear_in.weight": torch.randn(layers, rank, 128),
+            "decoder.layers.self_attention.linear_proj.adapter.linear_out.weight": torch.randn(layers, HIDDEN, rank)}
+
+
+def with_optimizer(tensors: dict) -> dict:
+    return {**tensors, **{f"optimizer.state.exp_avg.{k}": torch.zeros_like(v) for k, v in tensors.items()}}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model):
+    return tiny_model("tiny_llama")
+
+
+@pytest.fixture
+def make_checkpoint(base, tmp_path):
+    """make_checkpoint(tensors, *config overrides) -> a complete RUN/checkpoints/step_1."""
+    import torch.distributed.checkpoint as dcp
+
+    from launcher import config as config_mod
+    from launcher.checkpoints import CheckpointManager
+    from launcher.schema import Checkpointing
+
+    def make(tensors: dict, *overrides: str) -> Path:
+        raw = config_mod.compose([f"model.path={base}", "peft=lora_attention", f"peft.dim={R}", "peft.alpha=16",
+                                  "run.name=err", *overrides])
+        manager = CheckpointManager(tmp_path / "run" / "checkpoints", Checkpointing())
+        tmp = manager.begin(1)
+        dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(str(tmp / "trainer")), no_dist=True)
+        return manager.commit(tmp, 1, {"consumed_prompts": 0, "metrics": {}}, config_mod.to_yaml(raw)).path
+
+    return make
+
+
+def run_export(capsys, checkpoint, *extra) -> tuple[int, str, str]:
+    from launcher.export import main
+
+    rc = main(["--checkpoint", str(checkpoint), "--out", str(Path(checkpoint).parent / "out"), *extra])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def assert_refused(result, line: str):
+    rc, out, err = result
+    assert (rc, out, err) == (2, "", f"error: {line}\n")
+
+
+def test_missing_checkpoint(capsys, tmp_path):
+    path = tmp_path / "run" / "checkpoints" / "step_9"
+    assert_refused(run_export(capsys, path),
+                   f"{path}: no such checkpoint directory (expected RUN/checkpoints/step_N)")
+
+
+def test_incomplete_checkpoint(capsys, make_checkpoint):
+    ckpt = make_checkpoint(attention_lora())
+    (ckpt / "manifest.json").unlink()
+    assert_refused(run_export(capsys, ckpt), f"{ckpt}: incomplete checkpoint (no manifest.json)")
+
+
+def test_truncated_trainer_file(capsys, make_checkpoint):
+    ckpt = make_checkpoint(attention_lora())
+    data = next((ckpt / "trainer").glob("*.distcp"))
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:100])
+    assert_refused(run_export(capsys, ckpt), f"{data}: 100 bytes, the manifest says {size} (truncated?)")
+
+
+def test_checkpoint_without_adapters(capsys, make_checkpoint):
+    full = {"decoder.layers.self_attention.linear_qkv.weight": torch.randn(2, QKV, HIDDEN)}
+    ckpt = make_checkpoint(with_optimizer(full), "peft=none")
+    assert_refused(run_export(capsys, ckpt),
+                   f"{ckpt}/trainer: no LoRA adapter tensors (*.adapter.linear_in/linear_out) in the checkpoint "
+                   "(the run had peft.enabled=false); nothing to export")
+
+
+def test_rank_mismatch(capsys, make_checkpoint):
+    ckpt = make_checkpoint(with_optimizer(attention_lora()), "peft.dim=16")
+    assert_refused(run_export(capsys, ckpt),
+                   f"rank mismatch: decoder.layers.0.self_attention.linear_proj has LoRA rank 8 but "
+                   f"{ckpt}/config.yaml says peft.dim=16")
+
+
+def test_factors_of_different_rank(capsys, make_checkpoint):
+    tensors = attention_lora()
+    tensors[QKV_OUT] = torch.randn(2, QKV, 4)
+    ckpt = make_checkpoint(tensors)
+    assert_refused(run_export(capsys, ckpt), "decoder.layers.0.self_attention.linear_qkv: rank of A (8, 128) != "
+                                             "rank of B (256, 4)")
+
+
+def test_unknown_module(capsys, make_checkpoint):
+    tensors = {**attention_lora(), "decoder.layers.mixer.in_proj.adapter.linear_in.weight": torch.randn(2, R, HIDDEN),
+               "decoder.layers.mixer.in_proj.adapter.linear_out.weight": torch.randn(2, 512, R)}
+    ckpt = make_checkpoint(tensors)
+    assert_refused(run_export(capsys, ckpt), "unknown module decoder.layers.0.mixer.in_proj: Megatron-Bridge's llama "
+                                             "mapping has no HF module for it")
+
+
+def test_not_plain_lora(capsys, make_checkpoint):
+    magnitude = "decoder.layers.self_attention.linear_qkv.adapter.weight_magnitude"
+    ckpt = make_checkpoint({**attention_lora(), magnitude: torch.ones(2, QKV)})
+    assert_refused(run_export(capsys, ckpt), f"{magnitude}: not a plain LoRA factor (adapter.linear_in/linear_out); "
+                                             "only LoRA adapters can be exported")
+
+
+def test_module_missing_from_base_model(capsys, make_checkpoint, base):
+    ckpt = make_checkpoint(attention_lora(layers=3))  # the base model has 2 layers
+    assert_refused(run_export(capsys, ckpt),
+                   f"decoder.layers.2.self_attention.linear_proj -> model.layers.2.self_attn.o_proj: the base "
+                   f"checkpoint {base.resolve()} has no weight model.layers.2.self_attn.o_proj.weight")
+
+
+def test_base_model_of_another_family(capsys, make_checkpoint, tiny_model):
+    ckpt = make_checkpoint(attention_lora())
+    qwen = tiny_model("tiny_qwen2")
+    assert_refused(run_export(capsys, ckpt, "--base-model", str(qwen)),
+                   f"{qwen.resolve()}/config.json is a qwen2 model but {ckpt}/config.yaml says model.family=llama "
+                   "(wrong --base-model?)")
+
+
+def test_missing_base_model(capsys, make_checkpoint, tmp_path):
+    ckpt = make_checkpoint(attention_lora())
+    assert_refused(run_export(capsys, ckpt, "--base-model", str(tmp_path / "nowhere")),
+                   f"{tmp_path / 'nowhere'}: no config.json, not an HF model directory (from --base-model); "
+                   "pass --base-model PATH")
+
+
+def test_cli_process_refuses_with_one_line_and_code_2(make_checkpoint):
+    ckpt = make_checkpoint(with_optimizer(attention_lora()), "peft.dim=16")
+    proc = subprocess.run([sys.executable, "-m", "launcher.export", "--checkpoint", str(ckpt), "--out",
+                           str(ckpt.parent / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [f"error: rank mismatch: decoder.layers.0.self_attention.linear_proj has LoRA "
+                                        f"rank 8 but {ckpt}/config.yaml says peft.dim=16"]
+    assert not (ckpt.parent / "out").exists()
+
+
+def test_exporter_module_imports_no_torch():
+    code = "import sys, launcher.export, launcher.__main__; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr
