@@ -114,9 +114,11 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
         for module in factors:
             try:
                 lora_layout.module_map(layout.family, module)
-            except (KeyError, NotImplementedError):
+            except KeyError:
                 raise ExportError(f"unknown module {module}: Megatron-Bridge's {layout.family} mapping has no HF "
                                   "module for it") from None
+            except NotImplementedError as e:  # e.g. Mamba in_proj: one Megatron weight, several HF parts
+                raise ExportError(f"unsupported module {module}: {e}") from None
         hf_groups = lora_layout.hf_lora_groups(layout, state)
     shapes = _base_weight_shapes(base)
     groups = [_spelled_as_base(g, layout.family, base, shapes) for g in hf_groups]
