@@ -1,10 +1,12 @@
-"""vLLM generators and refit, end to end on CPU: real vLLM (in-process), real Ray, float32.
+"""vLLM generators and refit, end to end on CPU: real vLLM (in-process), real Ray, real Megatron, float32.
 
-After each refit mode the generators' greedy tokens and logprobs must equal HF transformers on
-the trainer's merged weights (and HF PeftModel for the adapter mode); merged_delta must write
-bitwise the tensors merged writes; a refit without the prefix-cache reset must be caught.
-The trainer here is `LoraStandin` (HF checkpoint + random LoRA factors in Megatron layout, merged
-the way Megatron-Bridge merges) running in its own Ray actor, as the real trainer would.
+The trainer is the real TrainerGroup (Megatron-Bridge LoRA on all linears, TP=2: adapter_state is
+TP-gathered and export_merged is the Bridge's merged export). LoRA B starts non-zero and the
+trainer takes real GRPO steps between refits, so every refit changes what the generators sample.
+After each refit mode the generators' greedy tokens and logprobs must equal HF transformers on the
+trainer's merged weights (HF PeftModel for the adapter mode), the trainer's own logprobs of sampled
+sequences must agree with the generation logprobs (gen_kl_error), merged_delta must write bitwise
+the tensors merged writes, and a refit without the prefix-cache reset must be caught.
 Engines are module-scoped: two plain engines (to test the split across engines) and one with LoRA.
 """
 
@@ -16,9 +18,9 @@ import pytest
 import torch
 
 from workers import refit
+from workers.agreement import agreement_metrics
 from workers.generator import GeneratorConfig
 from workers.generator_group import GeneratorGroup
-from workers.lora_standin import ALL_LINEAR, LoraStandin
 
 pytestmark = pytest.mark.integration
 
@@ -85,20 +87,63 @@ def model_dir(tiny_model):
     return str(tiny_model("tiny_llama"))
 
 
+# alpha / dim = 2.5: not a power of two, so a merge computed in another order would change bits
+PEFT = {"enabled": True, "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "dim": 8,
+        "alpha": 20, "dropout": 0.0, "dropout_position": "post", "lora_A_init_method": "xavier",
+        "lora_B_init_method": "xavier", "lora_dtype": None, "freeze_moe_router": False}  # B != 0 from the start
+OPTIM = {"optimizer": "adam", "lr": 1e-2, "min_lr": 1e-2, "clip_grad": 1.0, "lr_decay_style": "constant"}
+
+
 @pytest.fixture(scope="module")
-def producer(local_ray, model_dir):
+def trainers(local_ray, model_dir):
     # megatron.core rebinds torch.storage._load_from_bytes when imported, so tensors pickled in a
-    # process that imported it (the stand-in merges with Megatron-Bridge) unpickle only where
-    # megatron.core imports too: on CPU that needs the shim. Refit buckets are numpy: unaffected.
+    # trainer process unpickle only where megatron.core imports too: on CPU that needs the shim.
+    # Refit buckets are numpy arrays and do not depend on this.
     from workers import cpu_shim
 
     cpu_shim.apply("cpu")
     import megatron.core  # noqa: F401
 
-    ray = local_ray
-    actor = ray.remote(LoraStandin).options(num_cpus=0).remote(model_dir, ALL_LINEAR, dim=8, alpha=16, seed=1)
-    yield actor
-    ray.kill(actor)
+    from workers.trainer import TrainerConfig
+    from workers.trainer_group import TrainerGroup
+
+    config = TrainerConfig.from_sections(model_dir, parallel={"tensor_parallel": 2}, peft=PEFT, optim=OPTIM,
+                                         seed=5, max_num_steps=50)
+    group = TrainerGroup(config, num_ranks=2)
+    yield group
+    group.shutdown()
+
+
+def sequences_batch(gens, prompt_ids, pad_id=0) -> dict:
+    """The driver's batch contract from generations (response tokens carry generation logprobs)."""
+    rows = [list(p) + g.token_ids for p, g in zip(prompt_ids, gens)]
+    width = max(map(len, rows))
+    batch = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.int64),
+             "loss_mask": torch.zeros(len(rows), width), "generation_logprobs": torch.zeros(len(rows), width),
+             "advantages": torch.linspace(-1, 1, len(rows))}
+    for i, (p, g) in enumerate(zip(prompt_ids, gens)):
+        batch["input_ids"][i, :len(rows[i])] = torch.tensor(rows[i])
+        batch["loss_mask"][i, len(p):len(rows[i])] = 1
+        batch["generation_logprobs"][i, len(p):len(rows[i])] = torch.tensor(g.logprobs)
+    return batch
+
+
+def train_step(trainers, engines) -> None:
+    """One real GRPO step on sequences the generators sampled (moves every adapter)."""
+    ps = prompts(4, seed=42)
+    batch = sequences_batch(engines.generate(ps, temperature=1.0, max_tokens=6, seeds=[1, 2, 3, 4]), ps)
+    batch["prev_logprobs"] = trainers.logprobs(batch)
+    trainers.train(batch)
+
+
+def merged_state(trainers) -> dict:
+    return dict(trainers.export_merged())
+
+
+def refit_from(trainers, group, mode, bucket_mb=0.05, **apply_kwargs):
+    """One refit through the object store; returns (payload, generator report)."""
+    payload = trainers.refit_payload(mode, bucket_mb)
+    return payload, group.apply_refit(payload, **apply_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +160,6 @@ def lora_engine(local_ray, model_dir):
     group = GeneratorGroup(config, [SLOT], ready_timeout_s=300)
     yield group
     group.shutdown()
-
-
-def refit_to_producer(ray, producer, group, mode, bucket_mb=0.05, **apply_kwargs):
-    """One refit through the object store; returns (payload, generator report)."""
-    payload = ray.get(producer.refit_payload.remote(mode, bucket_mb))
-    return payload, group.apply_refit(payload, **apply_kwargs)
 
 
 # ---------------------------------------------------------------------------- generation
@@ -150,70 +189,79 @@ def test_per_request_seeds_make_sampling_independent_of_batch_and_engine(engines
 # ---------------------------------------------------------------------------- refit modes
 
 
-def test_merged_refit_matches_hf_on_merged_weights(local_ray, engines, producer, model_dir):
+def assert_trainer_agrees(trainers, group, seed):
+    """Sampled sequences: the trainer's logprobs of the generated tokens = the generation logprobs."""
+    ps = prompts(4, seed=seed)
+    gens = group.generate(ps, temperature=1.0, max_tokens=8, seeds=[seed + i for i in range(4)])
+    batch = sequences_batch(gens, ps)
+    metrics = agreement_metrics(batch["generation_logprobs"], trainers.logprobs(batch), batch["loss_mask"])
+    assert metrics["gen_kl_error"] < 1e-8 and metrics["token_mult_prob_error"] < 1 + 1e-4, metrics
+    return metrics
+
+
+def test_merged_refit_matches_hf_and_the_trainer(engines, trainers, model_dir):
     ps = prompts(4, seed=5)
     before = greedy(engines, ps)
-    payload, report = refit_to_producer(local_ray, producer, engines, "merged", bucket_mb=0.05)
+    payload, report = refit_from(trainers, engines, "merged", bucket_mb=0.05)
     assert payload.layout_bytes > 0 and report["layouts_fetched"] == 2  # first refit: both engines get it
-    assert report["buckets"] == len(payload.buckets) > 1                 # bounded buckets, several
-    assert payload.bytes >= sum(t.numel() * 4 for t in local_ray.get(producer.merged_state.remote()).values())
+    assert report["buckets"] == len(payload.buckets) > 1                # bounded buckets, several
+    merged = merged_state(trainers)
+    assert payload.bytes >= sum(t.numel() * t.element_size() for t in merged.values())
     gens = greedy(engines, ps)
-    assert [g.token_ids for g in gens] != [g.token_ids for g in before]  # the LoRA delta matters
-    merged = local_ray.get(producer.merged_state.remote())
+    assert [g.token_ids for g in gens] != [g.token_ids for g in before]  # LoRA (B != 0) matters
     assert_matches(gens, hf_greedy(_hf_model(model_dir, merged), ps))
-    # second refit: same layout, only buckets travel
-    local_ray.get(producer.step.remote())
-    payload, report = refit_to_producer(local_ray, producer, engines, "merged", bucket_mb=0.05)
+    assert_trainer_agrees(trainers, engines, seed=100)
+    # a training step, then the second refit: same layout, only buckets travel
+    train_step(trainers, engines)
+    payload, report = refit_from(trainers, engines, "merged", bucket_mb=0.05)
     assert payload.layout_bytes == 0 and report["layouts_fetched"] == 0
-    merged = local_ray.get(producer.merged_state.remote())
-    assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged), ps))
+    assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
 
 
-def test_merged_delta_writes_bitwise_the_merged_weights(local_ray, engines, producer, model_dir):
+def test_merged_delta_writes_bitwise_the_merged_weights(engines, trainers, model_dir):
     ps = prompts(4, seed=6)
-    local_ray.get(producer.step.remote())
+    train_step(trainers, engines)
     engines.call("refit_record", True)
     try:
-        merged_payload, _ = refit_to_producer(local_ray, producer, engines, "merged")
+        merged_payload, _ = refit_from(trainers, engines, "merged")
         written_merged = engines.call("refit_recorded")
         via_merged = greedy(engines, ps)
-        engines.call("refit_record", True)  # fresh record
-        delta_payload, _ = refit_to_producer(local_ray, producer, engines, "merged_delta")
+        engines.call("refit_record", True)  # a fresh record
+        delta_payload, _ = refit_from(trainers, engines, "merged_delta")
         written_delta = engines.call("refit_recorded")
     finally:
         engines.call("refit_record", False)
     via_delta = greedy(engines, ps)
-    # only the 7 linears of each of the 2 layers are written, and bitwise as merged wrote them
+    # only the 7 linears of each of the 2 layers are written, bitwise as the Bridge's export has them
     for rec_m, rec_d in zip(written_merged, written_delta):
         assert len(rec_d) == 2 * 7
         for name, tensor in rec_d.items():
             assert torch.equal(tensor, rec_m[name]), name
     assert delta_payload.bytes < merged_payload.bytes / 3
-    # same weights -> the same kernels give bitwise the same logprobs
+    # the same weights -> the same kernels give bitwise the same logprobs
     assert [g.token_ids for g in via_delta] == [g.token_ids for g in via_merged]
     assert [g.logprobs for g in via_delta] == [g.logprobs for g in via_merged]
-    merged = local_ray.get(producer.merged_state.remote())
-    assert_matches(via_delta, hf_greedy(_hf_model(model_dir, merged), ps))
+    assert_matches(via_delta, hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
+    assert_trainer_agrees(trainers, engines, seed=200)
 
 
-def test_merged_delta_after_a_training_step_matches_hf(local_ray, engines, producer, model_dir):
+def test_merged_delta_after_training_steps_matches_hf(engines, trainers, model_dir):
     """merged_delta starts from the kept base every time (it must not add deltas onto deltas)."""
     ps = prompts(3, seed=7)
     for _ in range(2):
-        local_ray.get(producer.step.remote())
-        refit_to_producer(local_ray, producer, engines, "merged_delta")
-    merged = local_ray.get(producer.merged_state.remote())
-    assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged), ps))
+        train_step(trainers, engines)
+        refit_from(trainers, engines, "merged_delta")
+    assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
 
 
-def test_refit_without_prefix_cache_reset_is_caught(local_ray, engines, producer, model_dir):
+def test_refit_without_prefix_cache_reset_is_caught(engines, trainers, model_dir):
     """A 300-token prompt spans two full 128-token KV blocks that the prefix cache keeps."""
     long_prompt = prompts(1, seed=8, length=(300, 301))
-    local_ray.get(producer.step.remote())
-    refit_to_producer(local_ray, producer, engines, "merged_delta")
-    greedy(engines, long_prompt * 2)  # both engines cache the prompt's blocks under the old weights
-    local_ray.get(producer.step.remote())
-    expected = hf_greedy(_hf_model(model_dir, local_ray.get(producer.merged_state.remote())), long_prompt)
+    train_step(trainers, engines)
+    refit_from(trainers, engines, "merged_delta")
+    greedy(engines, long_prompt * 2)  # both engines cache the prompt's blocks under these weights
+    train_step(trainers, engines)
+    expected = hf_greedy(_hf_model(model_dir, merged_state(trainers)), long_prompt)
 
     def agrees() -> bool:
         try:
@@ -222,53 +270,50 @@ def test_refit_without_prefix_cache_reset_is_caught(local_ray, engines, producer
         except AssertionError:
             return False
 
-    refit_to_producer(local_ray, producer, engines, "merged_delta", reset_prefix_cache=False)
+    refit_from(trainers, engines, "merged_delta", reset_prefix_cache=False)
     assert not agrees(), "stale prefix cache went unnoticed: this test would not catch a missing reset"
-    refit_to_producer(local_ray, producer, engines, "merged_delta")  # the real path resets
+    refit_from(trainers, engines, "merged_delta")  # the real path resets
     assert agrees()
 
 
-def test_adapter_refit_matches_peft_model_and_merged_weights(local_ray, lora_engine, producer, model_dir, tmp_path):
+def test_adapter_refit_matches_peft_model_and_the_trainer(lora_engine, engines, trainers, model_dir, tmp_path):
     from workers import lora_layout
 
     ps = prompts(4, seed=9)
-    local_ray.get(producer.step.remote())
-    payload, report = refit_to_producer(local_ray, producer, lora_engine, "adapter")
+    train_step(trainers, engines)
+    refit_from(trainers, lora_engine, "adapter")
     assert lora_engine.call("info")[0]["adapter_id"] == 1
     gens = greedy(lora_engine, ps)
     # HF PeftModel on a PEFT adapter written from the trainer's factors
-    state = local_ray.get(producer.adapter_state.remote())
-    cfg = local_ray.get(producer.lora_config.remote())
-    layout = lora_layout.ModelLayout.from_hf_config(model_dir)
-    adapter_dir = lora_layout.write_peft_adapter(tmp_path / "adapter", lora_layout.hf_lora_groups(layout, state),
-                                                 cfg["dim"], cfg["alpha"], model_dir)
+    cfg = trainers.lora_config()
+    groups = lora_layout.hf_lora_groups(lora_layout.ModelLayout.from_hf_config(model_dir), trainers.adapter_state())
+    adapter_dir = lora_layout.write_peft_adapter(tmp_path / "adapter", groups, cfg["dim"], cfg["alpha"], model_dir)
     assert_matches(gens, hf_greedy(_hf_model(model_dir, adapter_dir=adapter_dir), ps))
-    merged = local_ray.get(producer.merged_state.remote())
-    assert [g.token_ids for g in gens] == [t for t, _ in hf_greedy(_hf_model(model_dir, merged), ps)]
-    # next refit: a new adapter id, and the new factors are served
-    local_ray.get(producer.step.remote())
-    refit_to_producer(local_ray, producer, lora_engine, "adapter")
+    assert [g.token_ids for g in gens] == [t for t, _ in hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps)]
+    assert_trainer_agrees(trainers, lora_engine, seed=300)
+    # next step and refit: a new adapter id, and the new factors are served
+    train_step(trainers, engines)
+    refit_from(trainers, lora_engine, "adapter")
     assert lora_engine.call("info")[0]["adapter_id"] == 2
-    merged = local_ray.get(producer.merged_state.remote())
-    assert_matches(greedy(lora_engine, ps), hf_greedy(_hf_model(model_dir, merged), ps))
+    assert_matches(greedy(lora_engine, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
 
 
-def test_broadcast_transport_gloo_through_actors(local_ray, engines, producer, model_dir):
-    """The NCCL path's code over gloo: trainer actor = rank 0, each vLLM worker joins."""
+def test_broadcast_transport_gloo_through_actors(local_ray, engines, trainers, model_dir):
+    """The NCCL path's code over gloo: trainer rank 0 hosts the group, each vLLM worker joins."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world, joins = engines.open_refit_group("127.0.0.1", port, backend="gloo")
     assert world == 3  # trainer rank 0 + the one in-process worker of each engine
-    local_ray.get([producer.open_refit_group.remote("127.0.0.1", port, world, "gloo")] + joins)
+    local_ray.get([trainers.open_refit_group("127.0.0.1", port, world, "gloo")] + joins)
     try:
         ps = prompts(3, seed=10)
         for mode in ("merged", "merged_delta"):
-            local_ray.get(producer.step.remote())
-            report = refit.run_refit(lambda: [producer.refit_payload.remote(mode, 0.05)], engines, mode)
+            train_step(trainers, engines)
+            report = refit.run_refit(lambda: [a.refit_payload.remote(mode, 0.05) for a in trainers.actors],
+                                     engines, mode)
             assert report.transport == "broadcast" and report.bytes > 0 and report.transfer_and_update_weights_s > 0
-            merged = local_ray.get(producer.merged_state.remote())
-            assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged), ps))
+            assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
     finally:
-        local_ray.get(producer.close_refit_group.remote())
+        trainers.close_refit_group()
         engines.transport = "ray"
