@@ -93,11 +93,7 @@ def run_task(run_dir: str | Path) -> dict:
         cfg.resume = resume_after_requeue(cfg, run_dir)
         log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
             (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
-    previous = signal.signal(signal.SIGTERM, _stop_on_signal)  # Slurm's preemption warning
-    try:
-        return run_head(ctx, cfg, plan)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return run_head(ctx, cfg, plan, signals={signal.SIGTERM: _stop_on_signal})  # Slurm's preemption warning
 
 
 def resume_after_requeue(cfg: Config, run_dir: Path) -> str | None:
@@ -124,11 +120,14 @@ def _stop_on_signal(signum, frame) -> None:
         CURRENT.stop.set()
 
 
-def run_driver(driver, cfg: Config, plan: topology.Plan, ctx: JobContext):
+def run_driver(driver, cfg: Config, plan: topology.Plan, ctx: JobContext, signals: dict | None = None):
     """Run `driver(cfg, plan, ctx, stop)` in a thread: the main thread stays free to take signals
-    (preemption, Ctrl-C), which set `stop`; the driver ends at its next step boundary."""
+    (preemption, Ctrl-C), whose handlers set `stop`; the driver ends at its next step boundary.
+    The handlers are installed here, after ray.init, which installs its own (a SIGTERM then
+    aborts the process instead of letting it checkpoint)."""
     global CURRENT
     box: dict = {}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in (signals or {}).items()}
 
     def target():
         try:
@@ -143,14 +142,17 @@ def run_driver(driver, cfg: Config, plan: topology.Plan, ctx: JobContext):
             CURRENT.thread.join(0.5)
     finally:
         CURRENT = None
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if "error" in box:
         raise box["error"]
     return box["result"]
 
 
 # ----------------------------------------------------------------------------------------- head
-def run_head(ctx: JobContext, cfg: Config, plan: topology.Plan, driver=None) -> dict:
-    """Start the head, run `driver(cfg, plan, ctx)` (default: launcher.driver.run), stop Ray."""
+def run_head(ctx: JobContext, cfg: Config, plan: topology.Plan, driver=None, signals: dict | None = None) -> dict:
+    """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.run) with
+    `signals` {signal: handler} installed, stop Ray."""
     ctx.rendezvous.mkdir(parents=True, exist_ok=True)
     os.chmod(ctx.rendezvous, 0o700)
     os.environ.update(auth_env(ctx))  # this process becomes the driver; Ray reads the auth mode at import
@@ -173,7 +175,7 @@ def run_head(ctx: JobContext, cfg: Config, plan: topology.Plan, driver=None) -> 
         if driver is None:
             from launcher import driver as driver_mod
             driver = driver_mod.run
-        result = run_driver(driver, cfg, plan, ctx)
+        result = run_driver(driver, cfg, plan, ctx, signals)
         status["ok"] = True
         return {"node": ctx.hostname, "role": "head", "result": result}
     except BaseException as e:
@@ -190,13 +192,13 @@ def connect(ctx: JobContext, ip: str, port: int) -> None:
     os.environ.update(auth_env(ctx))  # before ray is imported: Ray reads the auth mode once
     import ray
 
-    from launcher import worker_logs
+    from launcher import worker_setup
 
-    actor_logs = worker_logs.log_dir(ctx.run_dir)
+    actor_logs = worker_setup.log_dir(ctx.run_dir)
     try:
         ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_logs.ENV: actor_logs},
-                              "worker_process_setup_hook": "launcher.worker_logs.redirect"})
+                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_setup.ENV: actor_logs},
+                              "worker_process_setup_hook": "launcher.worker_setup.setup"})
         log(f"actor logs: {actor_logs}/<host>-pid<pid>.log")
     except (ConnectionError, RuntimeError) as e:
         raise ClusterError(f"the driver could not connect to the Ray head at {ip}:{port}: "

@@ -98,12 +98,12 @@ class GrpoRun:
         self._print_actor_logs()
 
     def _print_actor_logs(self) -> None:
-        from launcher import worker_logs
+        from launcher import worker_setup
 
-        d = worker_logs.log_dir(self.run_dir)
-        lines = [f"  trainer rank {i['rank']}: {worker_logs.path_for(d, i['pid'], i['hostname'])}"
+        d = worker_setup.log_dir(self.run_dir)
+        lines = [f"  trainer rank {i['rank']}: {worker_setup.path_for(d, i['pid'], i['hostname'])}"
                  for i in self.trainers.infos]
-        lines += [f"  vLLM engine {e}: {worker_logs.path_for(d, i['pid'], i.get('hostname'))}"
+        lines += [f"  vLLM engine {e}: {worker_setup.path_for(d, i['pid'], i.get('hostname'))}"
                   for e, i in enumerate(self.generators.infos)]
         log("actor logs:\n" + "\n".join(lines))
 

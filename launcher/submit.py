@@ -76,8 +76,4 @@ def run_local(cfg: Config, plan: topology.Plan, run_dir: Path) -> dict:
               flush=True)
         bootstrap.CURRENT.stop.set()
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        return bootstrap.run_head(ctx, cfg, plan)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    return bootstrap.run_head(ctx, cfg, plan, signals={signal.SIGINT: on_sigint})
