@@ -1,10 +1,10 @@
 """The vLLM generation actor: one engine, sampling with per-request seeds, and refit on request.
 
 `VllmGenerator` is a plain class; GeneratorGroup turns it into Ray actors. One instance holds one
-vLLM engine:
-  cpu   in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend="uni",
-        enforce_eager, a small kv_cache_memory_bytes): starts in seconds, ~1 GB, and the worker
-        runs in this process, so refit buckets reach it by reference.
+vLLM engine whose engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+  cpu   distributed_executor_backend="uni", enforce_eager, a small kv_cache_memory_bytes: starts
+        in seconds, ~1 GB, and the worker runs in this process, so refit buckets reach it by
+        reference.
   cuda  the same class with tensor_parallel_size=tensor_parallel; more than one GPU uses vLLM's
         ray executor, whose workers may span nodes (the reference recipe: one engine, TP 8 on
         two nodes). Written for GPUs, not runnable on this machine.
@@ -97,10 +97,12 @@ class VllmGenerator:
     def __init__(self, config: GeneratorConfig | Mapping[str, Any]):
         if not isinstance(config, GeneratorConfig):
             config = GeneratorConfig(**config)
-        if config.device == "cpu":
-            if config.tensor_parallel != 1:
-                raise ValueError("vLLM on CPU runs one in-process worker: tensor_parallel must be 1")
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
+        if config.device == "cpu" and config.tensor_parallel != 1:
+            raise ValueError("vLLM on CPU runs one in-process worker: tensor_parallel must be 1")
+        # The engine core runs in this process on every device: collective_rpc then hands refit
+        # specs to the executor as Python objects (uni: by reference; ray executor: pickled, so the
+        # object-store refs of the ray transport survive), never through vLLM's msgpack IPC.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
         self.config = config
         t0 = time.perf_counter()
         from vllm import LLM

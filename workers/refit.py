@@ -492,6 +492,33 @@ def lora_groups_from_stream(layout: RefitLayout, named: Iterator[tuple[str, torc
 # ------------------------------------------------------------------------------------ driver
 
 
+def resolve_transport(transport: str, device: str) -> str:
+    """Config `refit.transport` -> "ray" | "gloo" | "nccl" (auto: nccl on cuda, ray on cpu)."""
+    if transport == "auto":
+        return "nccl" if str(device).startswith("cuda") else "ray"
+    if transport not in ("ray", "gloo", "nccl"):
+        raise ValueError(f"unknown refit transport {transport!r} (auto | ray | gloo | nccl)")
+    return transport
+
+
+def connect(trainers, generators, transport: str, device: str, timeout_s: float = 600.0) -> str:
+    """Driver, once after start-up: set up the transport; returns the resolved name.
+
+    For gloo/nccl, trainer rank 0 hosts the broadcast group on its node (IP and free port from its
+    `node_address()`) and every vLLM worker joins; the rendezvous blocks until all have arrived.
+    trainers: a TrainerGroup (its `actors`, rank 0 first); generators: a GeneratorGroup.
+    """
+    import ray
+
+    resolved = resolve_transport(transport, device)
+    if resolved == "ray":
+        return resolved
+    host, port = ray.get(trainers.actors[0].node_address.remote())
+    world_size, joins = generators.open_refit_group(host, port, backend=resolved, timeout_s=timeout_s)
+    ray.get([trainers.actors[0].open_refit_group.remote(host, port, world_size, resolved)] + joins)
+    return resolved
+
+
 def run_refit(start_sender: Callable[[], list], generators, mode: str) -> RefitReport:
     """Driver: one refit. start_sender() launches trainer_payload on every trainer rank and returns
     their ObjectRefs, rank 0 first (e.g. `lambda: [a.refit_payload.remote(mode, mb) for a in actors]`).

@@ -12,8 +12,6 @@ Engines are module-scoped: two plain engines (to test the split across engines) 
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -298,14 +296,9 @@ def test_adapter_refit_matches_peft_model_and_the_trainer(lora_engine, engines, 
     assert_matches(greedy(lora_engine, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
 
 
-def test_broadcast_transport_gloo_through_actors(local_ray, engines, trainers, model_dir):
+def test_broadcast_transport_gloo_through_actors(engines, trainers, model_dir):
     """The NCCL path's code over gloo: trainer rank 0 hosts the group, each vLLM worker joins."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world, joins = engines.open_refit_group("127.0.0.1", port, backend="gloo")
-    assert world == 3  # trainer rank 0 + the one in-process worker of each engine
-    local_ray.get([trainers.open_refit_group("127.0.0.1", port, world, "gloo")] + joins)
+    assert refit.connect(trainers, engines, "gloo", "cpu") == "gloo"
     try:
         ps = prompts(3, seed=10)
         for mode in ("merged", "merged_delta"):
@@ -313,6 +306,7 @@ def test_broadcast_transport_gloo_through_actors(local_ray, engines, trainers, m
             report = refit.run_refit(lambda: [a.refit_payload.remote(mode, 0.05) for a in trainers.actors],
                                      engines, mode)
             assert report.transport == "broadcast" and report.bytes > 0 and report.transfer_and_update_weights_s > 0
+            assert report.buckets > 1
             assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
     finally:
         trainers.close_refit_group()

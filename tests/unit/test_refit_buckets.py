@@ -73,9 +73,14 @@ def test_guard_rejects_unmerged_peft_names():
             list(refit.guard_names([("model.norm.weight", torch.zeros(1)), (bad, torch.zeros(1))]))
 
 
-def test_unknown_mode_is_refused():
+def test_unknown_mode_is_refused_and_transport_resolution():
     with pytest.raises(ValueError, match="unknown refit mode"):
         refit.kind_of("merged_lora")
+    assert refit.resolve_transport("auto", "cpu") == "ray"
+    assert refit.resolve_transport("auto", "cuda") == "nccl"
+    assert refit.resolve_transport("gloo", "cpu") == "gloo"
+    with pytest.raises(ValueError, match="unknown refit transport"):
+        refit.resolve_transport("tcp", "cpu")
 
 
 class _Producer:
