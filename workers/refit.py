@@ -18,11 +18,13 @@ bucket). Both sides derive the bucket boundaries from the layout with `plan_buck
 iterate the same order. The generator side lives in `workers.vllm_extension` (per vLLM worker).
 
 Transports (one seam: how a bucket gets from trainer rank 0 to every vLLM worker):
-  ray        buckets are `ray.put` by trainer rank 0; workers `ray.get` them (zero-copy numpy).
-             The default on CPU, where vLLM runs in-process inside the generator actor.
+  ray        buckets are `ray.put` by trainer rank 0 as numpy uint8 arrays; workers `ray.get`
+             them (zero-copy). The layout is put once; a worker fetches it only when it lacks
+             it (first refit, a restarted engine). The default on CPU.
   broadcast  a process group of trainer rank 0 + all vLLM workers (rank 0 = source), rendezvous
              through a TCP store on rank 0's node; NCCL on cuda (as upstream), gloo on CPU (how the
              same code path is tested here). The layout goes in-band the first time.
+             `connect()` sets it up once, from the driver.
 
 Reports: the sender returns bytes and seconds in its payload, the generators their own seconds;
 `run_refit` adds the driver's wall time as `transfer_and_update_weights`.
