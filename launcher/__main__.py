@@ -6,6 +6,7 @@ before anything is written or submitted.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -118,18 +119,30 @@ def _submit(cfg, plan, run_dir: Path) -> int:
 
 
 def _run_here(cfg, plan, run_dir: Path) -> int:
-    from launcher.bootstrap import ClusterError, log
+    from launcher.bootstrap import ClusterError, log, record_failure, resume_after_requeue
     from launcher.submit import run_local
 
     log(f"run directory {run_dir}")
     t0 = time.time()
-    try:
-        run_local(cfg, plan, run_dir)
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    restarts = 0
+    while True:
+        try:
+            result = run_local(cfg, plan, run_dir, attempt=restarts).get("result") or {}
+            break
+        except ClusterError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            restarts = record_failure(run_dir, f"local-{os.getpid()}", e)
+            if restarts > cfg.retry.max_restarts:
+                return 1
+            cfg.resume = resume_after_requeue(cfg, run_dir)
+            log(f"restart {restarts}/{cfg.retry.max_restarts} (retry.max_restarts) from "
+                f"{cfg.resume or 'the beginning (no complete checkpoint yet)'}")
+        except KeyboardInterrupt:
+            print("interrupted: stopped at once (no checkpoint); Ray and vLLM processes are stopped", file=sys.stderr)
+            return 130
+    if result.get("stopped"):
+        print(f"stopped at step {result['step']} after saving a checkpoint; continue with the same command "
+              f"and +resume=latest", file=sys.stderr)
         return 130
     log(f"finished in {time.time() - t0:.0f}s; everything is in {run_dir}")
     return 0

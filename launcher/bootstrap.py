@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import config as config_mod
@@ -44,6 +44,7 @@ class JobContext:
     attempt: int             # Slurm restart count: a requeued job gets a fresh rendezvous
     node_index: int
     hostnames: list[str]
+    progress: dict = field(default_factory=dict)   # the driver's {"step", "phase"}, for error messages
 
     @classmethod
     def from_slurm(cls, run_dir: Path) -> "JobContext":
@@ -54,8 +55,8 @@ class JobContext:
                    env.global_rank, list(env.hostnames))
 
     @classmethod
-    def local(cls, run_dir: Path) -> "JobContext":
-        return cls(run_dir, f"local-{os.getpid()}", 0, 0, [socket.gethostname()])
+    def local(cls, run_dir: Path, attempt: int = 0) -> "JobContext":
+        return cls(run_dir, f"local-{os.getpid()}", attempt, 0, [socket.gethostname()])
 
     @property
     def rendezvous(self) -> Path:
@@ -93,7 +94,24 @@ def run_task(run_dir: str | Path) -> dict:
         cfg.resume = resume_after_requeue(cfg, run_dir)
         log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
             (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
-    return run_head(ctx, cfg, plan, signals={signal.SIGTERM: _stop_on_signal})  # Slurm's preemption warning
+    try:
+        return run_head(ctx, cfg, plan, signals={signal.SIGTERM: _stop_on_signal})  # Slurm's preemption warning
+    except ClusterError as e:
+        restarts = record_failure(run_dir, ctx.job_id, e)
+        if restarts > cfg.retry.max_restarts:
+            raise
+        log(f"error: {e}\nrestart {restarts}/{cfg.retry.max_restarts} (retry.max_restarts): requeueing job "
+            f"{ctx.job_id}; it continues from the latest complete checkpoint")
+        subprocess.run(["scontrol", "requeue", ctx.job_id], check=True, timeout=60)
+        return {"node": ctx.hostname, "role": "head", "requeued": str(e)}
+
+
+def record_failure(run_dir: Path, job_id: str, error: BaseException) -> int:
+    """Append the failure to RUN/failures.jsonl; how many failures this job (all its restarts) had."""
+    path = run_dir / "failures.jsonl"
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": job_id, "error": str(error)}) + "\n")
+    return sum(1 for line in path.read_text().splitlines() if json.loads(line)["job"] == job_id)
 
 
 def resume_after_requeue(cfg: Config, run_dir: Path) -> str | None:
@@ -138,8 +156,12 @@ def run_driver(driver, cfg: Config, plan: topology.Plan, ctx: JobContext, signal
     CURRENT = RunningDriver(threading.Event(), threading.Thread(target=target, name="driver", daemon=True))
     CURRENT.thread.start()
     try:
+        next_check = 0.0
         while CURRENT.thread.is_alive():
             CURRENT.thread.join(0.5)
+            if time.time() >= next_check and CURRENT.thread.is_alive():
+                check_nodes(ctx, plan)  # a lost node ends the run now, whatever the driver waits for
+                next_check = time.time() + 2.0
     finally:
         CURRENT = None
         for sig, handler in previous.items():
@@ -157,9 +179,12 @@ def run_head(ctx: JobContext, cfg: Config, plan: topology.Plan, driver=None, sig
     os.chmod(ctx.rendezvous, 0o700)
     os.environ.update(auth_env(ctx))  # this process becomes the driver; Ray reads the auth mode at import
     token = ctx.rendezvous / "token"
+    earlier = ctx.run_dir / "ray" / f"{ctx.job_id}.{ctx.attempt - 1}" / "token"
+    # a restart inside this process keeps the job's token: Ray reads it once per process
+    secret = earlier.read_text() if ctx.attempt > 0 and earlier.exists() else secrets.token_hex(32)
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+        f.write(secret)
     ip = resolve_ip(ctx.hostnames[0])
     port = cfg.ray.port if cfg.topology.executor == "slurm" else free_port()
     ray_proc = start_ray(ctx, cfg, plan.nodes[0], head_ip=ip, port=port, head=True)
@@ -172,6 +197,7 @@ def run_head(ctx: JobContext, cfg: Config, plan: topology.Plan, driver=None, sig
             f"{len(plan.nodes)} node(s)")
         connect(ctx, ip, port)
         wait_for_nodes(ctx, cfg, plan)
+        (ctx.rendezvous / "registered").touch()  # from now on a lost node is a failure, not a retry
         if driver is None:
             from launcher import driver as driver_mod
             driver = driver_mod.run
@@ -243,6 +269,29 @@ def wait_for_nodes(ctx: JobContext, cfg: Config, plan: topology.Plan) -> None:
         time.sleep(0.5)
 
 
+def doing(ctx: JobContext) -> str:
+    p = ctx.progress
+    return f" during {p['phase']} at step {p['step']}" if p.get("phase") else ""
+
+
+def check_nodes(ctx: JobContext, plan: topology.Plan) -> None:
+    """Raise ClusterError naming any node that left the cluster (its bootstrap reported it, or
+    Ray no longer lists it alive)."""
+    import ray
+
+    for report in sorted(ctx.rendezvous.glob("failed_node*.json")):
+        r = json.loads(report.read_text())
+        node = plan.nodes[r["node_index"]]
+        raise ClusterError(f"node {node.index} ({r['host']}, {'+'.join(node.roles)}) left the Ray cluster"
+                           f"{doing(ctx)}: {r['reason']} (log: {r['log']})")
+    alive = {key for n in ray.nodes() if n.get("Alive") for key in n.get("Resources", {})}
+    for node in plan.nodes:
+        if topology.node_resource(node.index) not in alive:
+            raise ClusterError(f"node {node.index} ({ctx.hostnames[node.index]}, {'+'.join(node.roles)}) is no "
+                               f"longer alive in the Ray cluster{doing(ctx)} (log: "
+                               f"{ctx.run_dir / 'logs' / f'ray-{ctx.hostnames[node.index]}.log'})")
+
+
 # --------------------------------------------------------------------------------------- worker
 def run_worker(ctx: JobContext, cfg: Config, plan: topology.Plan) -> dict:
     """Join the head (retrying), stay until the driver is done, then stop Ray by PID."""
@@ -281,6 +330,8 @@ def run_worker(ctx: JobContext, cfg: Config, plan: topology.Plan) -> dict:
         if done.exists():
             return {"node": ctx.hostname, "role": "worker", "joined": True, "attempts": attempt}
         reason = fatal or f"`ray start` exited with code {proc.returncode} ({_tail(ctx.log_path('ray'))})"
+        if (ctx.rendezvous / "registered").exists():  # the run had started: rejoining cannot help it
+            return _report_failure(ctx, f"this node's Ray stopped: {reason}")
         log(f"{ctx.hostname}: attempt {attempt}/{cfg.ray.join_retries} to join failed: {reason}")
         time.sleep(1.0)
     return _report_failure(ctx, f"{cfg.ray.join_retries} attempts failed; last: {reason}")

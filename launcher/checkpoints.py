@@ -5,8 +5,10 @@ A checkpoint directory holds:
   config.yaml         the resolved config of the run that wrote it
   trainer/            adapter + optimizer + scheduler + RNG states of every trainer rank
                       (torch distributed checkpoint, written by the trainers themselves)
-  manifest.json       every file above with its size; written last, so its presence and a match
-                      of every size is what "complete" means
+  manifest.json       every file above with its size and sha256; written last. Its presence and a
+                      match of every file is what "complete" means, and it is checked before
+                      anything is loaded: torch's checkpoint metadata is a pickle, so a file
+                      truncated, replaced or written by someone else is refused before it is read
 Only `step_N` directories with a matching manifest count; `tmp_step_N` (a save interrupted by a
 crash or a full disk) is ignored and cleared by the next save of that step.
 Retention: the latest checkpoint is always kept, plus the `keep_top_k` best by `metric_name`.
@@ -14,6 +16,7 @@ Retention: the latest checkpoint is always kept, plus the `keep_top_k` best by `
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -43,9 +46,21 @@ class Checkpoint:
         return json.loads((self.path / INFO).read_text())
 
 
-def _files(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != MANIFEST}
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> dict[str, dict]:
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def size_of(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def verify(path: Path) -> None:
@@ -57,17 +72,52 @@ def verify(path: Path) -> None:
         expected = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"{manifest}: not a checkpoint manifest (unreadable JSON)") from None
-    for rel, size in expected.items():
+    try:
+        listed = {rel: (int(e["size"]), str(e["sha256"])) for rel, e in expected.items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CheckpointError(f"{manifest}: not a checkpoint manifest (entries need size and sha256)") from None
+    for rel, (size, digest) in listed.items():
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"{f}: missing (listed in {MANIFEST})")
         if f.stat().st_size != size:
             raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {size} (truncated?)")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f}: content differs from the manifest (modified or replaced after the save)")
+    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*")
+                   if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in listed)
+    if extra:
+        raise CheckpointError(f"{path / extra[0]}: not part of the checkpoint (not in {MANIFEST})")
     try:
         info = json.loads((path / INFO).read_text())
         int(info["step"]), int(info["consumed_prompts"])
     except (ValueError, KeyError, TypeError, OSError):
         raise CheckpointError(f"{path / INFO}: not valid training info (JSON with step, consumed_prompts)") from None
+
+
+# what a checkpoint's adapter/optimizer tensors depend on: resuming with any of these changed
+# would load tensors of the wrong shape or meaning
+COMPATIBLE = (("model", ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                         "head_dim", "num_experts")),
+              ("peft", ("enabled", "dim", "target_modules")))
+
+
+def check_compatible(ckpt: Path, cfg) -> None:
+    """ConfigError if the checkpoint was written for another model or LoRA shape than `cfg`'s."""
+    from launcher import config as config_mod
+
+    try:
+        saved = config_mod.load(ckpt / "config.yaml")
+    except Exception:  # noqa: BLE001 - any unreadable config is the same user-facing problem
+        raise ConfigError("resume", f"{ckpt / 'config.yaml'}: unreadable; not a checkpoint of this launcher") from None
+    for section, keys in COMPATIBLE:
+        for key in keys:
+            before, now = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+            before = list(before) if hasattr(before, "__iter__") and not isinstance(before, str) else before
+            if before != now:
+                raise ConfigError("resume", f"{ckpt} was written for {section}.{key}={before} "
+                                            f"({saved.get('model', {}).get('name')}), this run has {now} "
+                                            f"({cfg.model.name}): not resumable")
 
 
 class CheckpointManager:
@@ -94,11 +144,14 @@ class CheckpointManager:
         done = self.complete()
         listing = ", ".join(c.path.name for c in done) or "none"
         if spec == "latest":
-            if not done:
+            saved = sorted((int(m.group(1)), p) for p in (self.root.iterdir() if self.root.is_dir() else [])
+                           if (m := _STEP.match(p.name)) and p.is_dir())
+            if not saved:
                 raise ConfigError("resume", f"no complete checkpoint in {self.root} to resume from")
-            return done[-1]
-        m = _STEP.match(spec)
-        path = self.root / spec if m else Path(spec).expanduser().resolve()
+            path = saved[-1][1]  # the newest; a damaged newest one is an error, not silently skipped
+        else:
+            m = _STEP.match(spec)
+            path = self.root / spec if m else Path(spec).expanduser().resolve()
         if not path.is_dir():
             raise ConfigError("resume", f"{path} does not exist; complete checkpoints in {self.root}: {listing}")
         try:

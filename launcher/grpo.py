@@ -19,11 +19,15 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from launcher import advantages, data, models, placement, topology
-from launcher.bootstrap import JobContext, log
-from launcher.checkpoints import CheckpointManager
+from launcher.bootstrap import ClusterError, JobContext, doing, log
+from launcher.checkpoints import CheckpointManager, check_compatible, size_of
 from launcher.metrics import MetricsLogger, plot, read, summary
 from launcher.run_dir import checkpoint_dirs
 from launcher.schema import Config
+
+
+class StepFailed(ClusterError):
+    """A step could not finish: names the role, rank, node and phase."""
 
 
 def request_seed(run_seed: int, step: int, prompt: int, sample: int) -> int:
@@ -116,9 +120,13 @@ class GrpoRun:
                     log(f"shutdown: {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ one step
+    def phase(self, name: str) -> None:
+        self.ctx.progress["phase"] = name
+
     def refit(self) -> dict:
         from workers import refit
 
+        self.phase("refit")
         actors = self.trainers.actors
         report = refit.run_refit(lambda: [a.refit_payload.remote(self.cfg.refit.mode, self.cfg.refit.bucket_mb)
                                           for a in actors], self.generators, self.cfg.refit.mode)
@@ -154,17 +162,20 @@ class GrpoRun:
         g = self.cfg.grpo
         m: dict = {}
         t = time.perf_counter()
+        self.phase("generation")
         rollout, _ = self.rollout(step, position)
         m["timing/generation"] = time.perf_counter() - t
         adv = advantages.compute(rollout.rewards, g)
         batch = build_batch(rollout, adv, self.tokenizer.pad_token_id or 0)
         t = time.perf_counter()
+        self.phase("logprobs")
         batch["prev_logprobs"] = self.trainers.logprobs(batch)
         if g.loss.reference_policy_kl_penalty > 0:
             batch["reference_logprobs"] = self.trainers.logprobs(batch, adapters=False)
         m["timing/logprobs"] = time.perf_counter() - t
         agree = agreement_metrics(batch["generation_logprobs"], batch["prev_logprobs"], batch["loss_mask"])
         t = time.perf_counter()
+        self.phase("training")
         train = self.trainers.train(batch)
         m["timing/training"] = time.perf_counter() - t
         m.update({"train/reward": sum(rollout.rewards) / len(rollout.rewards),
@@ -182,7 +193,9 @@ class GrpoRun:
         step, position = 0, 0
         if cfg.resume:
             ckpt = self.ckpts.resolve(cfg.resume)
+            check_compatible(ckpt.path, cfg)
             info = ckpt.info()
+            self.phase("resume")
             restored = self.trainers.load_state(str(ckpt.path / "trainer"))
             step, position = int(info["step"]), int(info["consumed_prompts"])
             log(f"resumed from {ckpt.path} (step {step}, {position} prompts consumed; trainer {restored})")
@@ -192,17 +205,23 @@ class GrpoRun:
         try:
             while step < g.max_num_steps and not self.stop.is_set():
                 step += 1
+                self.ctx.progress["step"] = step
                 t0 = time.perf_counter()
                 row: dict = {"timing/transfer_and_update_weights": 0.0, "refit/bytes": 0}
-                if stale:  # the trainer changed since the last push (always true after a train step)
-                    row.update(self.refit())
-                row.update(self.train_step(step, position))
-                stale = True
-                position += g.num_prompts_per_step
-                row["timing/total_step"] = time.perf_counter() - t0
-                if self.ckpts.due(step, g.max_num_steps) or self.stop.is_set():
-                    self.save(step, position, row, config_yaml)
-                    last_saved = step
+                try:
+                    if stale:  # the trainer changed since the last push (always true after a train step)
+                        row.update(self.refit())
+                    row.update(self.train_step(step, position))
+                    stale = True
+                    position += g.num_prompts_per_step
+                    row["timing/total_step"] = time.perf_counter() - t0
+                    if self.ckpts.due(step, g.max_num_steps) or self.stop.is_set():
+                        self.save(step, position, row, config_yaml)
+                        last_saved = step
+                except StepFailed:
+                    raise
+                except Exception as e:  # noqa: BLE001 - named and re-raised
+                    raise StepFailed(self.describe(e)) from e
                 metrics.log(step, row)
             if step != last_saved and self.cfg.checkpointing.enabled:
                 self.save(step, position, {}, config_yaml)
@@ -216,7 +235,48 @@ class GrpoRun:
         log(("stopped" if stopped else "finished") + f" at step {step}/{g.max_num_steps}\n" + table)
         return {"step": step, "stopped": stopped}
 
+    def actors(self) -> dict[str, str]:
+        """Ray actor id -> 'trainer rank 1 on node2 (pid 123)' for every actor of the run."""
+        names = {}
+        for r, actor in enumerate(getattr(self.trainers, "actors", [])):
+            pid = self.trainers.infos[r]["pid"] if getattr(self.trainers, "infos", None) else "?"
+            names[actor._actor_id.hex()] = f"trainer rank {r} on {self.ctx.hostnames[self.plan.trainer_node(r)]} (pid {pid})"
+        for e, actor in enumerate(getattr(self.generators, "actors", [])):
+            pid = self.generators.infos[e].get("pid", "?") if getattr(self.generators, "infos", None) else "?"
+            names[actor._actor_id.hex()] = f"vLLM engine {e} on {self.ctx.hostnames[self.plan.engine_nodes(e)[0]]} (pid {pid})"
+        return names
+
+    def describe(self, e: BaseException) -> str:
+        """One line: which actor failed, how, and in which phase of which step."""
+        import ray
+
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, ray.exceptions.RayActorError):
+            cause = cause.__cause__ or cause.__context__
+        first = (str(cause or e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(cause, ray.exceptions.RayActorError):
+            who = self.actors().get(getattr(cause, "actor_id", None) or "", "an actor")
+            return f"{who} died{doing(self.ctx)}: {first}"
+        return f"{type(e).__name__}{doing(self.ctx)}: {first}"
+
+    def check_disk(self, step: int) -> None:
+        """Refuse to start a save that cannot fit: estimated from the last checkpoint's size (or the
+        trainable parameters: weights + two Adam moments in float32)."""
+        import shutil
+
+        done = self.ckpts.complete()
+        trainable = self.trainers.infos[0]["num_parameters"]["trainable"]
+        need = size_of(done[-1].path) if done else 12 * trainable + (1 << 20)
+        self.ckpts.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.ckpts.root).free
+        if free < 1.2 * need:
+            raise StepFailed(f"checkpoint step_{step} needs about {need / 2**20:.1f} MiB but only "
+                             f"{free / 2**20:.1f} MiB are free in {self.ckpts.root}; nothing was written "
+                             f"(free space or set checkpointing.dir)")
+
     def save(self, step: int, position: int, row: dict, config_yaml: str) -> None:
+        self.phase("checkpoint")
+        self.check_disk(step)
         t = time.perf_counter()
         tmp = self.ckpts.begin(step)
         self.trainers.save_state(str(tmp / "trainer"))

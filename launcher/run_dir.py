@@ -42,7 +42,10 @@ def prepare(cfg: Config, raw: DictConfig, plan: topology.Plan, run_dir: Path, sp
     if cfg.resume is not None:
         from launcher.checkpoints import CheckpointManager
 
-        CheckpointManager(ckpts, cfg.checkpointing).resolve(cfg.resume)  # a one-line error if unusable
+        from launcher.checkpoints import check_compatible
+
+        ckpt = CheckpointManager(ckpts, cfg.checkpointing).resolve(cfg.resume)  # a one-line error if unusable
+        check_compatible(ckpt.path, cfg)
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "

@@ -207,6 +207,11 @@ class Logging:
 
 
 @dataclass
+class Retry:
+    max_restarts: int = 0
+
+
+@dataclass
 class Config:
     topology: Topology = field(default_factory=Topology)
     model: Model = field(default_factory=Model)
@@ -220,6 +225,7 @@ class Config:
     vllm: Vllm = field(default_factory=Vllm)
     ray: RayCfg = field(default_factory=RayCfg)
     logging: Logging = field(default_factory=Logging)
+    retry: Retry = field(default_factory=Retry)
     dry_run: bool = False
     submit: bool = True
     resume: Optional[str] = None   # added by +resume=...

@@ -61,13 +61,14 @@ def submit_slurm(cfg: Config, plan: topology.Plan, run_dir: Path) -> submitit.Jo
     return executor.submit(JobTask(str(run_dir)))
 
 
-def run_local(cfg: Config, plan: topology.Plan, run_dir: Path) -> dict:
-    """executor=local: this process is task 0 of a one-node job (Ray head + driver)."""
+def run_local(cfg: Config, plan: topology.Plan, run_dir: Path, attempt: int = 0) -> dict:
+    """executor=local: this process is task 0 of a one-node job (Ray head + driver); `attempt`
+    counts restarts after failures (retry.max_restarts)."""
     from launcher import bootstrap
 
     import signal
 
-    ctx = bootstrap.JobContext.local(run_dir)
+    ctx = bootstrap.JobContext.local(run_dir, attempt)
 
     def on_sigint(signum, frame):
         if bootstrap.CURRENT is None or bootstrap.CURRENT.stop.is_set():

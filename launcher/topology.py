@@ -136,6 +136,10 @@ def check(t: Topology) -> list[ConfigError]:
                                      f"allowed EP: {_divisors(world // (tr.expert_tensor_parallel * tr.pipeline_parallel) or 1)}")
     if tr.sequence_parallel and tr.tensor_parallel == 1:
         err("train.sequence_parallel", "needs train.tensor_parallel > 1")
+    elif tr.sequence_parallel and t.device == "cpu":
+        err("train.sequence_parallel", "needs Transformer Engine norms, not available on cpu: set it false")
+    if tr.context_parallel != 1:
+        err("train.context_parallel", f"the trainer does not split sequences yet: must be 1, got {tr.context_parallel}")
     workers = gen.nodes * gen.ranks_per_node
     if gen.engines * gen.tensor_parallel != workers:
         err("generation.tensor_parallel", f"engines x TP = {gen.engines} x {gen.tensor_parallel} must equal the "

@@ -42,6 +42,14 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs += _refit_and_vllm(cfg)
     errs += _grpo(cfg)
     errs += _checkpointing_and_slurm(cfg)
+    if cfg.retry.max_restarts < 0:
+        errs.append(ConfigError("retry.max_restarts", f"must be 0 or more, got {cfg.retry.max_restarts}"))
+    if cfg.logging.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            errs.append(ConfigError("logging.wandb_project", "wandb is not installed (pip install wandb), "
+                                                             "or set logging.wandb_project=null"))
     if cfg.run.job not in JOBS:
         errs.append(ConfigError("run.job", f"must be one of {', '.join(JOBS)}, got {cfg.run.job!r}"))
     return errs

@@ -30,7 +30,6 @@ _LAYER_INDEX = re.compile(r"(^|\.)layers\.\d+\.")
 # why an entry is not exported, by key prefix (first match wins); anything else: not a LoRA tensor
 SKIP_REASONS = (
     ("optimizer.", "optimizer state"),
-    ("rng_state", "RNG state"),
     ("common_state", "common state (scheduler, step, trainer info)"),
 )
 NOT_LORA = "not a LoRA tensor"

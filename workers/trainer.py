@@ -708,12 +708,6 @@ class MegatronTrainer:
                 "pipeline_parallel": p.pipeline_parallel, "expert_parallel": p.expert_parallel,
                 "expert_tensor_parallel": p.expert_tensor_parallel}
 
-    def _rng_object(self, data=None):
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        return ShardedObject("rng_state", data if data is not None else _rng_state(self.is_cpu),
-                             (self.world_size,), (self.rank,), replica_id=0)
-
     def _optimizer_metadata(self) -> dict:
         # The distributed optimizer (cuda) must save in a format that reshards across TP/DP changes.
         return {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
@@ -735,11 +729,12 @@ class MegatronTrainer:
                  "scheduler": self.scheduler.state_dict(),
                  "trainer": {"step": self.step, "layout": self._layout(), "peft": asdict(self.cfg.peft),
                              "has_optimizer_state": has_optimizer_state},
-                 "rng_state": self._rng_object()}
+                 }
         if has_optimizer_state:
             state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, metadata=self._optimizer_metadata())
         with cpu_shim.cuda_factories_on_cpu(self.device):
             dist_checkpointing.save(state, directory)
+        _save_rng(os.path.join(directory, "rng", f"rank{self.rank}.safetensors"), self.is_cpu)
         torch.distributed.barrier()
 
     def load_state(self, directory: str) -> dict:
@@ -754,8 +749,6 @@ class MegatronTrainer:
         if common["trainer"]["has_optimizer_state"]:
             state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=True,
                                                                    metadata=self._optimizer_metadata())
-        if same_layout:
-            state["rng_state"] = self._rng_object(data={})
         with cpu_shim.cuda_factories_on_cpu(self.device):
             loaded = dist_checkpointing.load(state, directory)
         params = dict(self._module.named_parameters())
@@ -770,7 +763,7 @@ class MegatronTrainer:
         self.scheduler.load_state_dict(common["scheduler"])
         self.step = int(common["trainer"]["step"])
         if same_layout:
-            _set_rng_state(loaded["rng_state"], self.is_cpu)
+            _load_rng(os.path.join(directory, "rng", f"rank{self.rank}.safetensors"), self.is_cpu)
         torch.distributed.barrier()
         return {"step": self.step, "rng_restored": same_layout, "saved_layout": common["trainer"]["layout"]}
 
@@ -831,28 +824,48 @@ def _have_transformer_engine() -> bool:
     return True
 
 
-def _rng_state(is_cpu: bool) -> dict:
+def _save_rng(path: str, is_cpu: bool) -> None:
+    """This rank's RNG states as plain tensors in a safetensors file: a checkpoint never holds
+    pickled Python objects, so loading one cannot run code (a ShardedObject would be unpickled)."""
     import numpy as np
     import torch
+    from safetensors.torch import save_file
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors = {"python_mt": torch.tensor(mt, dtype=torch.int64),
+               "python_meta": torch.tensor([version, gauss is not None], dtype=torch.int64),
+               "python_gauss": torch.tensor([gauss or 0.0], dtype=torch.float64),
+               "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+               "numpy_meta": torch.tensor([pos, has_gauss], dtype=torch.int64),
+               "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+               "torch": torch.get_rng_state()}
     if not is_cpu:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["tracker"] = get_cuda_rng_tracker().get_states()
-    return state
+        tensors["cuda"] = torch.cuda.get_rng_state()
+        for key, state in get_cuda_rng_tracker().get_states().items():
+            tensors[f"tracker.{key}"] = state
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
 
 
-def _set_rng_state(state: dict, is_cpu: bool) -> None:
+def _load_rng(path: str, is_cpu: bool) -> None:
     import numpy as np
+    from safetensors.torch import load_file
+
+    t = load_file(path)
+    version, has_gauss = t["python_meta"].tolist()
+    random.setstate((int(version), tuple(t["python_mt"].tolist()),
+                     float(t["python_gauss"][0]) if has_gauss else None))
+    pos, np_has_gauss = t["numpy_meta"].tolist()
+    np.random.set_state(("MT19937", t["numpy_keys"].numpy().astype(np.uint32), int(pos), int(np_has_gauss),
+                         float(t["numpy_gauss"][0])))
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if not is_cpu and "cuda" in state:
+    torch.set_rng_state(t["torch"])
+    if not is_cpu and "cuda" in t:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        torch.cuda.set_rng_state(state["cuda"])
-        get_cuda_rng_tracker().set_states(state["tracker"])
+        torch.cuda.set_rng_state(t["cuda"])
+        get_cuda_rng_tracker().set_states({k.split(".", 1)[1]: v for k, v in t.items() if k.startswith("tracker.")})

@@ -89,9 +89,15 @@ def test_interrupted_save_is_ignored_and_truncation_is_named(tmp_path):
     with pytest.raises(CheckpointError) as e:
         verify(tmp_path / "ckpt" / "step_1")
     assert str(e.value) == f"{f}: 10 bytes, the manifest says 101 (truncated?)"
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # the newest one is damaged: an error, not silently skipped
         mgr.resolve("latest")
-    assert str(e.value) == f"resume: no complete checkpoint in {tmp_path}/ckpt to resume from"
+    assert str(e.value) == (f"resume: {f}: 10 bytes, the manifest says 101 (truncated?); complete checkpoints "
+                            f"in {tmp_path}/ckpt: none")
+    (f.parent.parent / "extra.bin").write_bytes(b"x")
+    f.write_bytes(b"y" * 101)  # same size, other content
+    with pytest.raises(CheckpointError) as e:
+        verify(tmp_path / "ckpt" / "step_1")
+    assert str(e.value) == f"{f}: content differs from the manifest (modified or replaced after the save)"
 
 
 def test_metrics_jsonl_drops_steps_after_the_resumed_checkpoint(tmp_path, capsys):
