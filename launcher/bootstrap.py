@@ -209,8 +209,12 @@ def run_head(ctx: JobContext, cfg: Config, plan: topology.Plan, driver=None, sig
         raise
     finally:
         _write_json(ctx.rendezvous / "done", status)
-        disconnect()
-        stop_process_tree(ray_proc)
+        if any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
+            stop_process_tree(ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
+            disconnect()
+        else:
+            disconnect()
+            stop_process_tree(ray_proc)
 
 
 def connect(ctx: JobContext, ip: str, port: int) -> None:

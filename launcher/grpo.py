@@ -256,8 +256,23 @@ class GrpoRun:
         first = (str(cause or e).strip().splitlines() or [type(e).__name__])[0]
         if isinstance(cause, ray.exceptions.RayActorError):
             who = self.actors().get(getattr(cause, "actor_id", None) or "", "an actor")
-            return f"{who} died{doing(self.ctx)}: {first}"
+            return f"{who} died{doing(self.ctx)}: {first}{self.lost_node()}"
         return f"{type(e).__name__}{doing(self.ctx)}: {first}"
+
+    def lost_node(self, wait_s: float = 5.0) -> str:
+        """'; node 2 (node3, generation) left the Ray cluster: ...' when an actor died with its node
+        (its bootstrap reports the node within a second or two), else ''."""
+        from launcher.bootstrap import check_nodes
+
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                check_nodes(self.ctx, self.plan)
+            except ClusterError as e:
+                return f"; {str(e).replace(doing(self.ctx), '')}"
+            if time.time() > deadline:
+                return ""
+            time.sleep(0.5)
 
     def check_disk(self, step: int) -> None:
         """Refuse to start a save that cannot fit: estimated from the last checkpoint's size (or the

@@ -1,0 +1,95 @@
+"""A Ray node of a 3-node Slurm GRPO job dies (its raylet is killed): the run ends with a message
+naming the node and what the driver was doing, within 60 s; with retry.max_restarts=1 the job
+requeues itself, resumes from the latest checkpoint and finishes with all its steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+PY = sys.executable
+STEPS = 8
+
+
+def submit(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+    p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", f"run.root={tmp_path}",
+                        f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=2",
+                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false", *overrides],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return re.search(r"submitted job (\d+)", p.stdout).group(1), tmp_path / "slurm_3n-tiny_llama"
+
+
+def steps(run: Path) -> list[int]:
+    f = run / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def kill_raylet(node: str, job: str) -> None:
+    pids = subprocess.run(["ip", "netns", "pids", f"slt-{node}"], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "raylet" in cmd and f"ray_{job}_" in cmd:
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no raylet of job {job} on {node}")
+
+
+def wait_steps(slurm_cluster, job: str, run: Path, n: int) -> None:
+    deadline = time.time() + 420
+    while len(steps(run)) < n:
+        assert slurm_cluster.sacct_state(job) in (None, "PENDING", "RUNNING")
+        assert time.time() < deadline
+        time.sleep(0.5)
+
+
+def log_of(run: Path, job: str) -> str:
+    d = run / "submitit" / job
+    return (d / f"{job}_0_log.out").read_text() + (d / f"{job}_0_log.err").read_text()
+
+
+def test_lost_node_fails_the_job_fast_with_its_name(slurm_cluster, tmp_path):
+    job, run = submit(tmp_path)
+    wait_steps(slurm_cluster, job, run, 3)
+    t0 = time.time()
+    kill_raylet("node3", job)
+    state = slurm_cluster.wait_job(job, timeout=180)
+    took = time.time() - t0
+    text = log_of(run, job)
+    assert state == "FAILED", text[-3000:]
+    assert took < 60, took
+    assert re.search(r"(vLLM engine 0 on node3 \(pid \d+\) died during \w+ at step \d+: .*; node 2 \(node3, "
+                     r"generation\) left the Ray cluster: |node 2 \(node3, generation\) left the Ray cluster during "
+                     r"\w+ at step \d+: )this node's Ray stopped", text), text[-3000:]
+
+
+def test_lost_node_with_a_restart_resumes_and_finishes(slurm_cluster, tmp_path):
+    job, run = submit(tmp_path, "retry.max_restarts=1", "checkpointing.keep_top_k=null")
+    wait_steps(slurm_cluster, job, run, 3)
+    t0 = time.time()
+    kill_raylet("node3", job)
+    state = slurm_cluster.wait_job(job, timeout=600)
+    text = log_of(run, job)
+    assert state == "COMPLETED", text[-4000:]
+    # the driver sees either the node go or its vLLM engine die with it first; both name node3
+    assert re.search(r"\[launcher [\d:]+\] error: (vLLM engine 0 on node3 \(pid \d+\) died during \w+ at step \d+: .*; )?"
+                     r"node 2 \(node3, generation\) left the Ray cluster", text), text[-4000:]
+    assert re.search(r"restart 1/1 \(retry.max_restarts\): requeueing job", text)
+    assert re.search(rf"resuming from {run}/checkpoints/step_\d+", text)
+    assert steps(run) == list(range(1, STEPS + 1))
+    assert json.loads((run / "checkpoints" / f"step_{STEPS}" / "training_info.json").read_text())["step"] == STEPS
+    failures = [json.loads(x) for x in (run / "failures.jsonl").read_text().splitlines()]
+    assert len(failures) == 1 and failures[0]["job"] == job
