@@ -14,7 +14,6 @@ import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from omegaconf import OmegaConf
 

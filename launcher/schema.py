@@ -66,7 +66,7 @@ class Model:
 @dataclass
 class Peft:
     enabled: bool = True
-    target_modules: list[str] = field(default_factory=list)
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj"])
     dim: int = 16
     alpha: float = 32
     dropout: float = 0.0
@@ -229,6 +229,17 @@ class Config:
     dry_run: bool = False
     submit: bool = True
     resume: Optional[str] = None   # added by +resume=...
+
+
+def from_dict(cls, d: dict | None, section: str):
+    """A section dataclass from plain data (what actors receive), refusing unknown keys."""
+    import dataclasses
+
+    d = dict(d or {})
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"{section}: unknown keys {sorted(unknown)}")
+    return cls(**d)
 
 
 def typed(cfg: DictConfig) -> Config:

@@ -7,6 +7,7 @@ Tests are grouped by what they start: tests/unit (no Ray, no model processes), t
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,30 @@ def local_ray():
                                            "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()
+
+
+def ray_processes_of(job: str) -> list[str]:
+    """Processes still running for a job's Ray nodes (found by the job's Ray temp dir /tmp/ray_<job>_...)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if f"/tmp/ray_{job}_" in cmd:
+                out.append(f"{d}: {cmd[:100]}")
+    return out
+
+
+@pytest.fixture
+def no_ray_left():
+    """no_ray_left(job): assert that no process of the job's Ray nodes remains (waits up to 15 s)."""
+
+    def check(job: str, wait_s: float = 15.0) -> None:
+        deadline = time.time() + wait_s
+        while ray_processes_of(job) and time.time() < deadline:
+            time.sleep(0.5)
+        assert ray_processes_of(job) == []
+
+    return check

@@ -21,31 +21,21 @@ Field names of `LossConfig` are the keys of `grpo.loss` in conf/grpo/*.yaml.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
+from launcher.schema import Loss, from_dict
 
-@dataclass
-class LossConfig:
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.28
-    ratio_clip_c: Optional[float] = 10.0
-    reference_policy_kl_penalty: float = 0.0
-    truncated_importance_sampling_ratio: Optional[float] = 5.0
-    token_level_loss: bool = True
 
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "LossConfig":
-        d = dict(d or {})
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"grpo.loss: unknown keys {sorted(unknown)}")
-        cfg = cls(**d)
-        if cfg.ratio_clip_c is not None and cfg.ratio_clip_c <= 1.0:
-            raise ValueError(f"grpo.loss.ratio_clip_c must be > 1 (or null), got {cfg.ratio_clip_c}")
-        return cfg
+LossConfig = Loss  # the `grpo.loss` section (launcher.schema holds the one definition)
+
+
+def loss_config(d: dict | None) -> Loss:
+    cfg = from_dict(Loss, d, "grpo.loss")
+    if cfg.ratio_clip_c is not None and cfg.ratio_clip_c <= 1.0:
+        raise ValueError(f"grpo.loss.ratio_clip_c must be > 1 (or null), got {cfg.ratio_clip_c}")
+    return cfg
 
 
 def grpo_loss(

@@ -57,12 +57,17 @@ def kind_of(mode: str) -> str:
     return "weights" if mode == "merged" else "lora"
 
 
+class RefitGuardError(RuntimeError, ValueError):
+    """An exported weight name that vLLM cannot load: LoRA was not merged."""
+
+
 def guard_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass (name, tensor) through; raise on a name vLLM cannot load (LoRA not merged)."""
+    """Pass (name, tensor) through; raise on a name vLLM cannot load (LoRA not merged). The one
+    guard: the trainer's export_merged() applies it, and so does the vLLM side on receipt."""
     for name, tensor in named:
         bad = [part for part in FORBIDDEN_NAME_PARTS if part in name]
         if bad:
-            raise ValueError(f"refit guard: {name!r} contains {bad[0]!r}: the export did not merge LoRA "
+            raise RefitGuardError(f"refit guard: {name!r} contains {bad[0]!r}: the export did not merge LoRA "
                              "(merged refit needs merge_adapter_weights=True)")
         yield name, tensor
 
@@ -341,7 +346,7 @@ def trainer_payload(trainer, mode: str, bucket_mb: float, *, transport: str | No
     kind = kind_of(mode)
     rank = getattr(trainer, "rank", 0)
     if kind == "weights":
-        named: Iterable[tuple[str, torch.Tensor]] = guard_names(trainer.export_merged())
+        named: Iterable[tuple[str, torch.Tensor]] = trainer.export_merged()  # guarded there
         groups, dim, alpha = (), 0, 0.0
         if rank != 0:
             for _ in named:  # drain: the export is collective over the model-parallel group

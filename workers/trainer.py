@@ -28,71 +28,20 @@ import random
 import socket
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, Iterator, Optional
 
 from workers import cpu_shim
-from workers.grpo_loss import LossConfig, grpo_loss
+from launcher.schema import Optim, Peft, TrainRole, from_dict
+from workers.grpo_loss import LossConfig, grpo_loss, loss_config
 
 # --------------------------------------------------------------------------- configuration
 
 
-def _from_dict(cls, d: dict | None, section: str):
-    d = dict(d or {})
-    unknown = set(d) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"{section}: unknown keys {sorted(unknown)}")
-    return cls(**d)
-
-
-@dataclass
-class ParallelConfig:
-    """The `topology.train` section (nodes and ranks_per_node are the launcher's business)."""
-
-    nodes: int = 1
-    ranks_per_node: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    context_parallel: int = 1
-    expert_parallel: int = 1
-    expert_tensor_parallel: int = 1
-    sequence_parallel: bool = False
-
-
-@dataclass
-class PeftConfig:
-    """The `peft` section (conf/peft/*.yaml): Megatron-Bridge LoRA arguments."""
-
-    enabled: bool = True
-    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj"])
-    dim: int = 16
-    alpha: float = 32
-    dropout: float = 0.0
-    dropout_position: str = "post"
-    lora_A_init_method: str = "xavier"
-    lora_B_init_method: str = "zero"
-    lora_dtype: Optional[str] = None
-    freeze_moe_router: bool = False
-
-
-@dataclass
-class OptimConfig:
-    """The `optim` section (conf/optim/*.yaml): megatron-core optimizer + scheduler."""
-
-    optimizer: str = "adam"
-    lr: float = 1e-5
-    min_lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_iters: Optional[int] = None
-    override_opt_param_scheduler: bool = False
-    use_distributed_optimizer: Any = "auto"
+# The config sections are launcher.schema's dataclasses (one definition of every key):
+# topology.train, peft, optim and grpo.loss.
+ParallelConfig, PeftConfig, OptimConfig = TrainRole, Peft, Optim
 
 
 @dataclass
@@ -115,11 +64,11 @@ class TrainerConfig:
     def from_sections(cls, model_path: str, *, parallel: dict | None = None, peft: dict | None = None,
                       optim: dict | None = None, loss: dict | None = None, **top) -> "TrainerConfig":
         """Build from plain config sections (topology.train, peft, optim, grpo.loss) + top-level keys."""
-        cfg = _from_dict(cls, {"model_path": str(model_path), **top}, "trainer")
-        cfg.parallel = _from_dict(ParallelConfig, parallel, "topology.train")
-        cfg.peft = _from_dict(PeftConfig, peft, "peft")
-        cfg.optim = _from_dict(OptimConfig, optim, "optim")
-        cfg.loss = LossConfig.from_dict(loss)
+        cfg = from_dict(cls, {"model_path": str(model_path), **top}, "trainer")
+        cfg.parallel = from_dict(TrainRole, parallel, "topology.train")
+        cfg.peft = from_dict(Peft, peft, "peft")
+        cfg.optim = from_dict(Optim, optim, "optim")
+        cfg.loss = loss_config(loss)
         cfg.check()
         return cfg
 
@@ -155,17 +104,11 @@ class TrainerConfig:
 
 # --------------------------------------------------------------------------- small helpers
 
-REFIT_FORBIDDEN = (".base_layer", ".adapter", ".lora_")
-
-
 def guard_refit_names(named_tensors):
     """Yield (name, tensor) pairs, raising on an unmerged PEFT name (vLLM cannot load those)."""
-    for name, tensor in named_tensors:
-        bad = [s for s in REFIT_FORBIDDEN if s in name]
-        if bad:
-            raise RuntimeError(f"refit guard: exported weight {name!r} contains {bad[0]!r}; LoRA was not "
-                               "merged (export with merge_adapter_weights=True)")
-        yield name, tensor
+    from workers.refit import guard_names
+
+    return guard_names(named_tensors)
 
 
 def node_address() -> tuple[str, int]:

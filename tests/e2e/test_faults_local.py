@@ -70,28 +70,7 @@ class Run:
         return next((self.run_dir / "ray").iterdir()).name.split(".")[0]
 
 
-def leftovers(job: str) -> list[str]:
-    """Processes of the job's Ray node still running (found by the job's Ray temp dir)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if f"/tmp/ray_{job}_" in cmd:
-                out.append(f"{d}: {cmd[:100]}")
-    return out
-
-
-def assert_nothing_left(job: str) -> None:
-    deadline = time.time() + 15
-    while leftovers(job) and time.time() < deadline:
-        time.sleep(0.5)
-    assert leftovers(job) == []
-
-
-def test_killed_trainer_rank_ends_the_run_named_within_60s(tmp_path):
+def test_killed_trainer_rank_ends_the_run_named_within_60s(tmp_path, no_ray_left):
     run = Run(tmp_path, "grpo.max_num_steps=500", "checkpointing.save_period=1000")
     pid = int(run.wait_for(r"trainer rank 1: \S+-pid(\d+)\.log").group(1))
     run.wait_steps(2)
@@ -106,7 +85,7 @@ def test_killed_trainer_rank_ends_the_run_named_within_60s(tmp_path):
     assert m, err
     assert int(m.group(1)) == pid and m.group(2) in ("refit", "generation", "logprobs", "training")
     assert "Traceback" not in err
-    assert_nothing_left(run.job())
+    no_ray_left(run.job())
 
 
 def test_killed_vllm_engine_restarts_from_checkpoint_and_finishes(tmp_path):
@@ -128,7 +107,7 @@ def test_killed_vllm_engine_restarts_from_checkpoint_and_finishes(tmp_path):
         "vLLM engine 0 on")
 
 
-def test_ctrl_c_saves_a_checkpoint_then_stops_and_a_second_stops_at_once(tmp_path):
+def test_ctrl_c_saves_a_checkpoint_then_stops_and_a_second_stops_at_once(tmp_path, no_ray_left):
     run = Run(tmp_path / "a", "grpo.max_num_steps=500", "checkpointing.save_period=1000")
     run.wait_steps(2)
     os.killpg(run.proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
@@ -138,8 +117,8 @@ def test_ctrl_c_saves_a_checkpoint_then_stops_and_a_second_stops_at_once(tmp_pat
     assert "Ctrl-C: stopping after the current step and saving a checkpoint" in out
     k = int(re.search(r"stopped at step (\d+)/500", out).group(1))
     assert (run.run_dir / "checkpoints" / f"step_{k}" / "manifest.json").is_file()
-    assert f"+resume=latest" in "".join(run.err)
-    assert_nothing_left(run.job())
+    assert "+resume=latest" in "".join(run.err)
+    no_ray_left(run.job())
 
     run2 = Run(tmp_path / "b", "grpo.max_num_steps=500")
     run2.wait_for(r"Ray head up")
@@ -149,7 +128,7 @@ def test_ctrl_c_saves_a_checkpoint_then_stops_and_a_second_stops_at_once(tmp_pat
     rc = run2.finish(timeout=60)
     assert rc == 130
     assert "stopped at once" in "".join(run2.err)
-    assert_nothing_left(run2.job())
+    no_ray_left(run2.job())
 
 
 @pytest.fixture(scope="module")

@@ -99,20 +99,7 @@ def _kill_tree_of(pid: int) -> None:
     os.killpg(pid, signal.SIGKILL)
 
 
-def _processes_with(text: str) -> list[str]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmd:
-                out.append(f"{d}: {cmd[:100]}")
-    return out
-
-
-def test_crash_during_a_checkpoint_keeps_the_previous_one(tmp_path):
+def test_crash_during_a_checkpoint_keeps_the_previous_one(tmp_path, no_ray_left):
     proc = subprocess.Popen([PY, "-m", "launcher", f"run.root={tmp_path}", *COMMON], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     ckpts = tmp_path / "local-tiny_llama" / "checkpoints"
@@ -126,10 +113,7 @@ def test_crash_during_a_checkpoint_keeps_the_previous_one(tmp_path):
         _kill_tree_of(proc.pid)  # the launcher (and its process group) dies mid-save
         proc.wait()
     job = next((tmp_path / "local-tiny_llama" / "ray").iterdir()).name.split(".")[0]
-    deadline = time.time() + 30
-    while _processes_with(f"/tmp/ray_{job}_") and time.time() < deadline:
-        time.sleep(0.5)
-    assert _processes_with(f"/tmp/ray_{job}_") == []  # the reaper took Ray down with the launcher
+    no_ray_left(job, wait_s=30)  # the reaper took Ray down with the launcher
     assert (ckpts / "step_2").is_dir() and not (ckpts / "step_4").exists()
     p = launch(tmp_path, "+resume=latest")
     assert "resumed from" in p.stdout and "(step 2, 16 prompts consumed" in p.stdout

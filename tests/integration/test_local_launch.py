@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -15,20 +14,7 @@ pytestmark = pytest.mark.integration
 PY = sys.executable
 
 
-def _ray_processes_of(temp_prefix: str) -> list[str]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if temp_prefix in cmd:
-                out.append(f"{d}: {cmd[:120]}")
-    return out
-
-
-def test_local_placement_smoke_and_cleanup(tmp_path):
+def test_local_placement_smoke_and_cleanup(tmp_path, no_ray_left):
     p = subprocess.run([PY, "-m", "launcher", "run.job=placement_smoke", f"run.root={tmp_path}"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -41,7 +27,7 @@ def test_local_placement_smoke_and_cleanup(tmp_path):
     assert oct((rendezvous / "token").stat().st_mode & 0o777) == "0o600"
     assert json.loads((rendezvous / "done").read_text()) == {"ok": True, "error": None}
     job = rendezvous.name.split(".")[0]
-    assert _ray_processes_of(f"/tmp/ray_{job}_") == []  # every Ray process of the job was stopped
+    no_ray_left(job, wait_s=0)  # every Ray process of the job was stopped
 
 
 def test_token_is_required_to_attach(tmp_path):

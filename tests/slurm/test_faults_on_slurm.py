@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -79,7 +78,6 @@ def test_lost_node_fails_the_job_fast_with_its_name(slurm_cluster, tmp_path):
 def test_lost_node_with_a_restart_resumes_and_finishes(slurm_cluster, tmp_path):
     job, run = submit(tmp_path, "retry.max_restarts=1", "checkpointing.keep_top_k=null")
     wait_steps(slurm_cluster, job, run, 3)
-    t0 = time.time()
     kill_raylet("node3", job)
     state = slurm_cluster.wait_job(job, timeout=600)
     text = log_of(run, job)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.grpo_loss import LossConfig, grpo_loss
+from workers.grpo_loss import LossConfig, grpo_loss, loss_config
 
 CFG = LossConfig(ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=3.0,
                  reference_policy_kl_penalty=0.0, truncated_importance_sampling_ratio=2.0,
@@ -133,6 +133,6 @@ def test_config_keys_follow_yaml():
     from pathlib import Path
 
     section = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf/grpo/demo.yaml").read_text())["loss"]
-    assert LossConfig.from_dict(section).ratio_clip_c == section["ratio_clip_c"]
+    assert loss_config(section).ratio_clip_c == section["ratio_clip_c"]
     with pytest.raises(ValueError, match="unknown keys"):
-        LossConfig.from_dict({**section, "ratio_clip": 0.2})
+        loss_config({**section, "ratio_clip": 0.2})
