@@ -116,7 +116,10 @@ class VllmGenerator:
         self.transport = "ray"
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "start_seconds": self.start_seconds, "model": self.config.model,
+        import socket
+
+        return {"pid": os.getpid(), "hostname": socket.gethostname(), "start_seconds": self.start_seconds,
+                "model": self.config.model,
                 "device": self.config.device, "enable_lora": self.config.enable_lora,
                 "adapter_id": self._adapter_id}
 
