@@ -78,6 +78,7 @@ class GrpoRun:
     def start(self) -> None:
         from transformers import AutoTokenizer
 
+        from workers import refit
         from workers.generator import GeneratorConfig
         from workers.generator_group import GeneratorGroup
         from workers.trainer import TrainerConfig
@@ -96,8 +97,6 @@ class GrpoRun:
             str(self.model_dir), plain["vllm"], {"tensor_parallel": plan.generation_tp},
             device=cfg.topology.device, refit_mode=cfg.refit.mode, seed=cfg.run.seed)
         self.generators = GeneratorGroup(gen_cfg, [placement.generator_options(plan, e) for e in range(plan.engines)])
-        from workers import refit
-
         transport = refit.connect(self.trainers, self.generators, cfg.refit.transport, cfg.topology.device)
         log(f"actors up in {time.time() - t0:.1f}s; refit {cfg.refit.mode} over {transport}")
         print(self.trainers.peft_statistics, flush=True)
