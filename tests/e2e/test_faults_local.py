@@ -74,13 +74,10 @@ def test_killed_trainer_rank_ends_the_run_named_within_60s(tmp_path, no_ray_left
     run = Run(tmp_path, "grpo.max_num_steps=500", "checkpointing.save_period=1000")
     pid = int(run.wait_for(r"trainer rank 1: \S+-pid(\d+)\.log").group(1))
     run.wait_steps(2)
-    t0 = time.time()
     os.kill(pid, signal.SIGKILL)
-    rc = run.finish(timeout=90)
-    took = time.time() - t0
+    rc = run.finish(timeout=60)  # the bound: a dead rank ends the run within 60 s, never a hang
     err = "".join(run.err)
     assert rc == 1, err
-    assert took < 60, took
     m = re.search(r"error: trainer rank 1 on \S+ \(pid (\d+)\) died during (\w+) at step (\d+): ", err)
     assert m, err
     assert int(m.group(1)) == pid and m.group(2) in ("refit", "generation", "logprobs", "training")

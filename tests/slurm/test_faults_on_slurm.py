@@ -63,13 +63,10 @@ def log_of(run: Path, job: str) -> str:
 def test_lost_node_fails_the_job_fast_with_its_name(slurm_cluster, tmp_path):
     job, run = submit(tmp_path)
     wait_steps(slurm_cluster, job, run, 3)
-    t0 = time.time()
     kill_raylet("node3", job)
-    state = slurm_cluster.wait_job(job, timeout=180)
-    took = time.time() - t0
+    state = slurm_cluster.wait_job(job, timeout=60)  # the bound: a lost node ends the job within 60 s
     text = log_of(run, job)
     assert state == "FAILED", text[-3000:]
-    assert took < 60, took
     assert re.search(r"(vLLM engine 0 on node3 \(pid \d+\) died during \w+ at step \d+: .*; node 2 \(node3, "
                      r"generation\) left the Ray cluster: |node 2 \(node3, generation\) left the Ray cluster during "
                      r"\w+ at step \d+: )this node's Ray stopped", text), text[-3000:]
