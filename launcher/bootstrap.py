@@ -79,8 +79,12 @@ def log(msg: str) -> None:
     print(f"[launcher {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_task(run_dir: str | Path) -> dict:
-    """One task of a Slurm job: node 0 runs head + driver, the others run Ray workers."""
+def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
+    """One task of a Slurm job: node 0 runs head + driver, the others run Ray workers.
+
+    Under submitit, its handler takes USR2 (checkpoint + requeue, launcher.submit.JobTask). Under
+    plain sbatch (`plain_sbatch`), USR2 and SIGTERM both stop the driver after a checkpoint and the
+    job requeues itself with scontrol."""
     run_dir = Path(run_dir).resolve()
     cfg = typed(config_mod.load(run_dir / "config.yaml"))
     plan = topology.build(cfg.topology)
@@ -94,8 +98,15 @@ def run_task(run_dir: str | Path) -> dict:
         cfg.resume = resume_after_requeue(cfg, run_dir)
         log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
             (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
+    signals = {signal.SIGTERM: _stop_on_signal}  # Slurm's preemption warning
+    if plain_sbatch:
+        signals[signal.SIGUSR2] = _stop_on_signal  # the time-limit warning (#SBATCH --signal=USR2@...)
     try:
-        return run_head(ctx, cfg, plan, signals={signal.SIGTERM: _stop_on_signal})  # Slurm's preemption warning
+        out = run_head(ctx, cfg, plan, signals=signals)
+        if plain_sbatch and (out.get("result") or {}).get("stopped"):
+            log(f"requeueing job {ctx.job_id}: the restarted job resumes from the checkpoint just saved")
+            subprocess.run(["scontrol", "requeue", ctx.job_id], check=True, timeout=60)
+        return out
     except ClusterError as e:
         restarts = record_failure(run_dir, ctx.job_id, e)
         if restarts > cfg.retry.max_restarts:
@@ -501,8 +512,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # lets submitit.JobEnvironment read the Slurm env
+    for sig in (signal.SIGTERM, signal.SIGUSR2):  # default action: die; a worker task must outlive the
+        signal.signal(sig, signal.SIG_IGN)        # checkpoint (it stops when the head says done)
     try:
-        result = run_task(argv[0])
+        result = run_task(argv[0], plain_sbatch=True)
     except (ClusterError, config_mod.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
