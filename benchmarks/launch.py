@@ -226,25 +226,33 @@ def watch(cluster: Cluster, t0: float, proc: subprocess.Popen, job_of, log_glob,
     return text
 
 
+def submit_and_time(cluster: Cluster, r: Launch, cmd: list, cwd: Path, job_of, logs, n: int, timeout: float) -> str:
+    """Submit `cmd`, time it to "all nodes registered" (watch), wait for the job to end; the task-0 log."""
+    r.load = os.getloadavg()[0]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    text = watch(cluster, t0, proc, job_of, logs, n, timeout, r)
+    if not r.job:
+        return text
+    m = re.search(r"registered in ([\d.]+)s", text)
+    r.driver_wait_s = float(m.group(1)) if m else None
+    if r.total is None:
+        cluster.run("scancel", r.job, check=False)
+    r.state = cluster.wait_ended(r.job, [f"node{i}" for i in range(1, n + 1)])
+    return text
+
+
 def launcher_once(cluster: Cluster, n: int, rep: int, work: Path, timeout: float) -> Launch:
     r = Launch("launcher", n, rep)
     root = work / f"launcher-{n}n-{rep}"
     run_dir = root / f"slurm_{n}n-tiny_llama"
     cmd = [PY, "-m", "launcher", f"topology=slurm_{n}n", "run.job=placement_smoke", f"run.root={root}",
            f"+slurm.extra_sbatch.nodelist='node[1-{n}]'"]
-    r.load = os.getloadavg()[0]
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    text = watch(cluster, t0, proc, lambda out: (re.findall(r"submitted job (\d+)", out) or [None])[0],
-                 lambda: sorted(run_dir.glob("submitit/*/*_0_log.out")), n, timeout, r)
+    text = submit_and_time(cluster, r, cmd, REPO, lambda out: (re.findall(r"submitted job (\d+)", out) or [None])[0],
+                           lambda: sorted(run_dir.glob("submitit/*/*_0_log.out")), n, timeout)
     if not r.job:
         return r
-    m2 = re.search(r"registered in ([\d.]+)s", text)
-    r.driver_wait_s = float(m2.group(1)) if m2 else None
-    if r.total is None:
-        cluster.run("scancel", r.job, check=False)
-    r.state = cluster.wait_ended(r.job, [f"node{i}" for i in range(1, n + 1)])
     fill_ray_start(r, [run_dir / "logs" / f"ray-node{i}.log" for i in range(1, n + 1)])
     if r.total is None or r.state != "COMPLETED":
         r.error = f"job {r.job} {r.state}; log tail: {text.strip()[-800:]}"
@@ -329,19 +337,11 @@ def bare_once(cluster: Cluster, n: int, rep: int, work: Path, auth: str, timeout
         f"#SBATCH --cpus-per-task=2\n#SBATCH --gpus-per-node=4\n#SBATCH --time=10\n"
         f"#SBATCH --nodelist=node[1-{n}]\n#SBATCH --output={d}/%j_0_log.out\n#SBATCH --open-mode=append\n"
         f"srun --unbuffered --kill-on-bad-exit=1 --output {d}/%j_%t_log.out bash {d}/bare_task.sh\n")
-    r.load = os.getloadavg()[0]
-    t0 = time.time()
-    proc = subprocess.Popen(["sbatch", "--parsable", str(d / "job.sbatch")], cwd=d, env=cluster.env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    text = watch(cluster, t0, proc, lambda out: (re.findall(r"^(\d+)", out.strip()) or [None])[0],
-                 lambda: sorted(d.glob("*_0_log.out")), n, timeout, r)
+    text = submit_and_time(cluster, r, ["sbatch", "--parsable", str(d / "job.sbatch")], d,
+                           lambda out: (re.findall(r"^(\d+)", out.strip()) or [None])[0],
+                           lambda: sorted(d.glob("*_0_log.out")), n, timeout)
     if not r.job:
         return r
-    m = re.search(r"registered in ([\d.]+)s", text)
-    r.driver_wait_s = float(m.group(1)) if m else None
-    if r.total is None:
-        cluster.run("scancel", r.job, check=False)
-    r.state = cluster.wait_ended(r.job, [f"node{i}" for i in range(1, n + 1)])
     fill_ray_start(r, [d / f"ray-{r.job}-{i}.log" for i in range(n)])
     left = reap_leftovers(f"/tmp/rb_{r.job}_", remove=not keep)
     if left:

@@ -16,7 +16,6 @@ from launcher import topology
 from launcher.config import ConfigError
 from launcher.schema import Config
 
-FAMILIES = ("llama", "qwen2", "nemotron_h")
 # Megatron module paths (inside decoder.layers.N) that LoRA may wrap, per model family.
 LORA_MODULES = {
     "llama": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
@@ -24,6 +23,7 @@ LORA_MODULES = {
     "nemotron_h": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
                    "mixer.in_proj", "mixer.out_proj"),
 }
+FAMILIES = tuple(LORA_MODULES)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")

@@ -44,7 +44,6 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, str] | None]] = {
     "nemotron_h": ("megatron.bridge.models.nemotronh.nemotron_h_bridge", "NemotronHBridge",
                    ("backbone.", "model.")),
 }
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "nemotron_h": "nemotron_h"}
 
 LORA_A_SUFFIX = ".adapter.linear_in.weight"
 LORA_B_SUFFIX = ".adapter.linear_out.weight"
@@ -86,8 +85,8 @@ class ModelLayout:
             config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
         get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
         model_type = get("model_type")
-        family = _HF_MODEL_TYPES.get(model_type)
-        if family is None:
+        family = model_type  # HF's model_type names the family (llama, qwen2, nemotron_h)
+        if family not in FAMILIES:
             raise ValueError(f"no LoRA layout for HF model_type {model_type!r}")
         heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
         return cls(family=family, num_attention_heads=heads,

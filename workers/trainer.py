@@ -119,9 +119,9 @@ def node_address() -> tuple[str, int]:
         ip = ray.util.get_node_ip_address()
     except Exception:  # not inside Ray
         ip = socket.gethostbyname(socket.gethostname())
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return ip, s.getsockname()[1]
+    from launcher.bootstrap import free_port
+
+    return ip, free_port()
 
 
 def _torch_dtype(name: Optional[str]):
