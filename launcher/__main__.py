@@ -25,7 +25,7 @@ GRPO post-training with Megatron LoRA trainers and vLLM generators, on this mach
 
 examples:
   python -m launcher                                     # the embedded default: this machine, CPU, tiny model
-  python -m launcher topology=ultra_6n4g model=nemotron3_ultra peft=ultra_attention grpo=ultra dry_run=true
+  python -m launcher topology=ultra_6n4g dry_run=true    # the reference recipe: plan, config, sbatch
   python -m launcher topology=slurm_3n slurm.partition=gpu
   python -m launcher topology=slurm_3n +resume=latest    # continue the run in runs/<run.name>
 
@@ -148,5 +148,13 @@ def _run_here(cfg, plan, run_dir: Path) -> int:
     return 0
 
 
+def cli() -> int:
+    try:
+        return main()
+    except BrokenPipeError:  # `python -m launcher ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
