@@ -54,8 +54,8 @@ def generate_seconds(generators, prompts: int = 16, tokens: int = 32) -> float:
 
 
 def trainer_group(model_dir: Path, targets: list[str], dim: int, alpha: float):
-    from workers.trainer import TrainerConfig
-    from workers.trainer_group import TrainerGroup
+    from workers.trainer.actor import TrainerConfig
+    from workers.trainer.group import TrainerGroup
 
     peft = {"enabled": True, "target_modules": targets, "dim": dim, "alpha": alpha, "dropout": 0.0,
             "dropout_position": "post", "lora_A_init_method": "xavier", "lora_B_init_method": "xavier",
@@ -66,7 +66,7 @@ def trainer_group(model_dir: Path, targets: list[str], dim: int, alpha: float):
 
 
 def time_mode(trainers, generators, mode: str, bucket_mb: float, repeats: int) -> dict:
-    from workers import refit
+    from workers.refit import wire as refit
 
     def once():
         return refit.run_refit(lambda: [a.refit_payload.remote(mode, bucket_mb) for a in trainers.actors],
@@ -85,8 +85,8 @@ def run(models: list[str], repeats: int, bucket_mb: float, dim: int, alpha: floa
     import ray
 
     from workers import cpu_shim, tiny_models
-    from workers.generator import GeneratorConfig
-    from workers.generator_group import GeneratorGroup
+    from workers.generator.actor import GeneratorConfig
+    from workers.generator.group import GeneratorGroup
 
     cpu_shim.apply("cpu")  # payload objects come from a megatron process (see docs/benchmarks.md)
     ray.init(num_cpus=4, resources={"train_slot": 1, "generation_slot": 2}, include_dashboard=False,

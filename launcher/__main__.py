@@ -11,12 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import config as config_mod
-from launcher import run_dir as run_dir_mod
-from launcher import sbatch, topology
-from launcher.config import ConfigError
-from launcher.schema import typed
-from launcher.validate import validate
+from launcher import paths
+from launcher import plan as plan_mod
+from launcher.config import compose as config_mod
+from launcher.config.compose import ConfigError
+from launcher.config.schema import typed
+from launcher.config.validate import validate
+from launcher.job import run_dir as run_dir_mod
+from launcher.job import sbatch
 
 HELP = """\
 usage: python -m launcher [group=option ...] [key=value ...] [+resume=step_N|latest|PATH]
@@ -64,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             for e in errors:
                 print(f"error: {e}", file=sys.stderr)
             return 2
-        plan = topology.build(cfg.topology)
-        run_dir = run_dir_mod.path(cfg)
+        plan = plan_mod.build(cfg.topology)
+        run_dir = paths.run_dir(cfg)
         spec = sbatch.job_spec(cfg, plan) if cfg.topology.executor == "slurm" else None
         if cfg.dry_run:
             _print_dry_run(cfg, raw, plan, run_dir, spec)
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_dry_run(cfg, raw, plan, run_dir: Path, spec) -> None:
-    from launcher.submit import submitit_folder
+    from launcher.job.submit import submitit_folder
 
     print(f"== plan: topology {cfg.topology.name} ({cfg.topology.executor}, {len(plan.nodes)} node(s))")
     print(plan.describe())
@@ -101,7 +103,7 @@ def _print_dry_run(cfg, raw, plan, run_dir: Path, spec) -> None:
 
 
 def _submit(cfg, plan, run_dir: Path) -> int:
-    from launcher.submit import submit_slurm
+    from launcher.job.submit import submit_slurm
 
     try:
         job = submit_slurm(cfg, plan, run_dir)
@@ -119,8 +121,9 @@ def _submit(cfg, plan, run_dir: Path) -> int:
 
 
 def _run_here(cfg, plan, run_dir: Path) -> int:
-    from launcher.bootstrap import ClusterError, log, record_failure, resume_after_requeue
-    from launcher.submit import run_local
+    from launcher.cluster.bootstrap import record_failure, resume_after_requeue
+    from launcher.cluster.context import ClusterError, log
+    from launcher.job.submit import run_local
 
     log(f"run directory {run_dir}")
     t0 = time.time()

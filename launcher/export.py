@@ -6,10 +6,10 @@ Post-training adapter serving: writes a run checkpoint's LoRA adapter as an HF P
 merged weights instead (refit); this is for serving the result.
 
 What it does, and where each fact lives:
-  checkpoint   `launcher.checkpoints.verify` (complete step_N), `config.yaml` read with the launcher's
+  checkpoint   `launcher.driver.checkpoints.verify` (complete step_N), `config.yaml` read with the launcher's
                own schema (peft.dim / alpha, model.*), `trainer/` read by `workers.lora_checkpoint`
                (LoRA entries only, from the DCP metadata; no model, no process group, no base weights)
-  base model   `--base-model`, else `launcher.models.model_dir(config)`; its config.json gives the
+  base model   `--base-model`, else `launcher.paths.model_dir(config)`; its config.json gives the
                attention shapes (heads, KV heads, head_dim; heads * head_dim may differ from hidden)
   layout       `workers.lora_layout`: Megatron module -> HF modules from Megatron-Bridge's registry,
                fused QKV LoRA-B split per query group, gated fc1 -> gate/up, PEFT writer
@@ -33,11 +33,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher import checkpoints, models
-from launcher import config as config_mod
-from launcher.config import ConfigError
-from launcher.schema import typed
-from launcher.validate import VLLM_LORA_RANKS
+from launcher import paths
+from launcher.driver import checkpoints
+from launcher.config import compose as config_mod
+from launcher.config.compose import ConfigError
+from launcher.config.schema import typed
+from launcher.config.validate import VLLM_LORA_RANKS
 
 
 class ExportError(Exception):
@@ -80,14 +81,14 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
         raise ExportError(str(e)) from None
     cfg = typed(config_mod.load(ckpt / "config.yaml"))
     step = int(json.loads((ckpt / checkpoints.INFO).read_text())["step"])
-    base = Path(base_model).expanduser() if base_model else models.model_dir(cfg)
+    base = Path(base_model).expanduser() if base_model else paths.model_dir(cfg)
     where = "--base-model" if base_model else f"model.path/model.builtin of {ckpt / 'config.yaml'}"
     if not (base / "config.json").is_file():
         raise ExportError(f"{base}: no config.json, not an HF model directory (from {where}); "
                           "pass --base-model PATH")
     base = base.resolve()
 
-    from workers import lora_checkpoint, lora_layout  # torch from here on
+    from workers.lora import checkpoint as lora_checkpoint, layout as lora_layout  # torch from here on
 
     try:
         layout = lora_layout.ModelLayout.from_hf_config(base)
@@ -148,7 +149,7 @@ def _quiet_megatron():
 
 def _spelled_as_base(group, family: str, base: Path, shapes: dict[str, list[int]]):
     """`group` with each HF module named as the base checkpoint names it; shapes checked against it."""
-    from workers.lora_layout import FAMILIES, HfLoraGroup
+    from workers.lora.layout import FAMILIES, HfLoraGroup
 
     names = []
     for module, b in zip(group.hf_modules, group.lora_b):
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-model", help="HF base model directory (default: the checkpoint's config.yaml model)")
     p.add_argument("--name", help="adapter name for serving (default: <run.name>-step<N>)")
     args = p.parse_args(argv)
-    from workers.lora_checkpoint import LoraCheckpointError  # torch-free module top
+    from workers.lora.checkpoint import LoraCheckpointError  # torch-free module top
 
     try:
         report = export(args.checkpoint, args.out, args.base_model, args.name)

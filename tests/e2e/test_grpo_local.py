@@ -70,7 +70,7 @@ def test_demo_steps_metrics_agreement_and_checkpoints(straight):
         assert 0.0 <= x["train/reward"] <= 1.0
     assert sorted(c.name for c in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
     for c in (run / "checkpoints").iterdir():
-        from launcher.checkpoints import verify
+        from launcher.driver.checkpoints import verify
 
         verify(c)
         info = json.loads((c / "training_info.json").read_text())

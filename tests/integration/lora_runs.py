@@ -4,7 +4,7 @@
 Hydra tree, builds the trainer from it (`TrainerConfig.from_run_config`), trains a real TrainerGroup
 two GRPO steps at lr 5e-3 (LoRA B starts at zero: the adapters must clearly move), records the
 trainer's logprobs of a probe batch, and saves `RUN/checkpoints/step_2/` through
-`launcher.checkpoints.CheckpointManager` (trainer/ = `save_state`, config.yaml = the composed config).
+`launcher.driver.checkpoints.CheckpointManager` (trainer/ = `save_state`, config.yaml = the composed config).
 
 Training is the slow part (a Megatron actor start per rank), so a run is kept on disk under the
 session's base temp dir and reused by the next test module that asks for the same (recipe, tp).
@@ -56,11 +56,11 @@ def grpo_batch(group, ids: torch.Tensor) -> dict:
 def trained_run(cache_root: Path, model_dir: Path, recipe: str, tp: int) -> TrainedRun:
     from omegaconf import OmegaConf
 
-    from launcher import config as config_mod
-    from launcher.checkpoints import CheckpointManager
-    from launcher.schema import Checkpointing
-    from workers.trainer import TrainerConfig
-    from workers.trainer_group import TrainerGroup
+    from launcher.config import compose as config_mod
+    from launcher.driver.checkpoints import CheckpointManager
+    from launcher.config.schema import Checkpointing
+    from workers.trainer.actor import TrainerConfig
+    from workers.trainer.group import TrainerGroup
 
     run = Path(cache_root) / f"{recipe}-tp{tp}"
     probe_file = run / "probe.pt"

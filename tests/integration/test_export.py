@@ -101,8 +101,8 @@ def test_contiguous_qkv_split_fails_for_gqa(exported, tmp_path):
     """The upstream bug, rebuilt from the same checkpoint: q | k | v as contiguous rows of fused B."""
     from safetensors.torch import load_file, save_file
 
-    from workers import lora_checkpoint
-    from workers.lora_layout import ModelLayout
+    from workers.lora import checkpoint as lora_checkpoint
+    from workers.lora.layout import ModelLayout
 
     run, report = exported
     layout = ModelLayout.from_hf_config(run.model_dir)
@@ -155,9 +155,9 @@ def test_cli_prints_counts_skips_and_serve_command(local_ray, tiny_model, runs_r
 @pytest.fixture(scope="module")
 def nemotron_h(tiny_model, tmp_path_factory):
     """A synthetic Nemotron-H LoRA run checkpoint and the per-HF-module factors it was made from."""
-    from launcher import config as config_mod
-    from launcher.checkpoints import CheckpointManager
-    from launcher.schema import Checkpointing
+    from launcher.config import compose as config_mod
+    from launcher.driver.checkpoints import CheckpointManager
+    from launcher.config.schema import Checkpointing
 
     from lora_runs import overrides
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import refit
-from workers.agreement import agreement_metrics
-from workers.generator import GeneratorConfig
-from workers.generator_group import GeneratorGroup
+from workers.refit import wire as refit
+from launcher.driver.agreement import agreement_metrics
+from workers.generator.actor import GeneratorConfig
+from workers.generator.group import GeneratorGroup
 
 pytestmark = pytest.mark.integration
 
@@ -102,8 +102,8 @@ def trainers(local_ray, model_dir):
     cpu_shim.apply("cpu")
     import megatron.core  # noqa: F401
 
-    from workers.trainer import TrainerConfig
-    from workers.trainer_group import TrainerGroup
+    from workers.trainer.actor import TrainerConfig
+    from workers.trainer.group import TrainerGroup
 
     config = TrainerConfig.from_sections(model_dir, parallel={"tensor_parallel": 2}, peft=PEFT, optim=OPTIM,
                                          seed=5, max_num_steps=50)
@@ -275,7 +275,7 @@ def test_refit_without_prefix_cache_reset_is_caught(engines, trainers, model_dir
 
 
 def test_adapter_refit_matches_peft_model_and_the_trainer(lora_engine, engines, trainers, model_dir, tmp_path):
-    from workers import lora_layout
+    from workers.lora import layout as lora_layout
 
     ps = prompts(4, seed=9)
     train_step(trainers, engines)

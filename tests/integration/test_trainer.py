@@ -26,7 +26,7 @@ ATOL = 1e-5
 
 
 def make_config(model_dir, tp=1, peft=PEFT, micro_batch_size=0):
-    from workers.trainer import TrainerConfig
+    from workers.trainer.actor import TrainerConfig
 
     return TrainerConfig.from_sections(str(model_dir), parallel={"tensor_parallel": tp}, peft=peft, optim=OPTIM,
                                        loss=LOSS, seed=11, max_num_steps=20, micro_batch_size=micro_batch_size)
@@ -74,7 +74,7 @@ def with_logprobs(group, batch):
 
 @pytest.fixture(scope="module")
 def groups(local_ray, model_dir, tmp_path_factory):
-    from workers.trainer_group import TrainerGroup
+    from workers.trainer.group import TrainerGroup
 
     tp1 = TrainerGroup(make_config(model_dir, tp=1), num_ranks=1)
     tp2 = TrainerGroup(make_config(model_dir, tp=2, micro_batch_size=2), num_ranks=2)
@@ -180,8 +180,8 @@ def test_merged_export_reproduces_trainer_logprobs(groups, model_dir, batch):
 
 
 def test_refit_guard_raises_on_unmerged_names(groups):
-    from workers.trainer import guard_refit_names
-    from workers.trainer_group import TrainerGroupError
+    from workers.trainer.actor import guard_refit_names
+    from workers.trainer.group import TrainerGroupError
 
     t = torch.zeros(1)
     assert list(guard_refit_names([("model.layers.0.mlp.up_proj.weight", t)]))
@@ -247,7 +247,7 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(groups, batch, tmp_path):
 
 @pytest.fixture(scope="module")
 def dp2(groups, model_dir):
-    from workers.trainer_group import TrainerGroup
+    from workers.trainer.group import TrainerGroup
 
     groups["tp2"].shutdown()  # free the two train slots
     group = TrainerGroup(make_config(model_dir, tp=1), num_ranks=2)
@@ -275,7 +275,7 @@ def test_data_parallel_split_equals_one_rank(groups, dp2, batch):
 
 
 def test_full_finetuning_trains_every_weight(local_ray, model_dir, batch):
-    from workers.trainer_group import TrainerGroup
+    from workers.trainer.group import TrainerGroup
 
     group = TrainerGroup(make_config(model_dir, tp=1, peft={**PEFT, "enabled": False, "target_modules": []}),
                          num_ranks=1)
@@ -298,7 +298,7 @@ def test_full_finetuning_trains_every_weight(local_ray, model_dir, batch):
 
 def test_dead_actor_is_named(dp2, batch):
     import ray
-    from workers.trainer_group import TrainerGroupError
+    from workers.trainer.group import TrainerGroupError
 
     ray.kill(dp2.actors[1])
     where = dp2.where[1]

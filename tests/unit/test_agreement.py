@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.agreement import agreement_metrics, gen_kl_error, token_mult_prob_error
+from launcher.driver.agreement import agreement_metrics, gen_kl_error, token_mult_prob_error
 
 
 def test_identical_logprobs_are_neutral():

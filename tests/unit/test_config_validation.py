@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from launcher.__main__ import main
-from launcher.config import ConfigError, compose
-from launcher.schema import typed
-from launcher.validate import validate
+from launcher.config.compose import compose
+from launcher.config.compose import ConfigError
+from launcher.config.schema import typed
+from launcher.config.validate import validate
 
 REPO_PYTHON = sys.executable
 
@@ -123,18 +124,19 @@ def test_model_facts_are_checked_against_config_json(tiny_model, capsys, tmp_pat
 
 
 def test_values_that_would_break_the_script_are_rejected():
-    from launcher import sbatch, topology
+    from launcher import plan as plan_mod
+    from launcher.job import sbatch
 
     for field, value, what in [("partition", "gpu\nrm -rf /", "contains a newline; a value must be a single line"),
                                ("account", "lab'", "has an unbalanced quote: \"lab'\"")]:
         cfg = typed(compose(["topology=slurm_3n"]))
         setattr(cfg.slurm, field, value)
         with pytest.raises(ConfigError) as e:
-            sbatch.job_spec(cfg, topology.build(cfg.topology))
+            sbatch.job_spec(cfg, plan_mod.build(cfg.topology))
         assert str(e.value) == f"slurm.{field}: {what}"
     cfg = typed(compose(["topology=slurm_3n", "slurm.setup=[module load cuda, 'echo \"x']"]))
     with pytest.raises(ConfigError) as e:
-        sbatch.job_spec(cfg, topology.build(cfg.topology))
+        sbatch.job_spec(cfg, plan_mod.build(cfg.topology))
     assert str(e.value) == "slurm.setup[1]: has an unbalanced quote: 'echo \"x'"
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import advantages, data
-from launcher.checkpoints import CheckpointError, CheckpointManager, verify
-from launcher.config import ConfigError
-from launcher.metrics import MetricsLogger, read, summary
-from launcher.schema import Checkpointing, Grpo, Logging, RewardScaling
+from launcher.driver import advantages, data
+from launcher.driver.checkpoints import CheckpointError, CheckpointManager, verify
+from launcher.config.compose import ConfigError
+from launcher.driver.metrics import MetricsLogger, read, summary
+from launcher.config.schema import Checkpointing, Grpo, Logging, RewardScaling
 
 
 def test_data_order_is_a_pure_function_of_seed_epoch_position():

@@ -41,9 +41,9 @@ def make_checkpoint(base, tmp_path):
     """make_checkpoint(tensors, *config overrides) -> a complete RUN/checkpoints/step_1."""
     import torch.distributed.checkpoint as dcp
 
-    from launcher import config as config_mod
-    from launcher.checkpoints import CheckpointManager
-    from launcher.schema import Checkpointing
+    from launcher.config import compose as config_mod
+    from launcher.driver.checkpoints import CheckpointManager
+    from launcher.config.schema import Checkpointing
 
     def make(tensors: dict, *overrides: str) -> Path:
         raw = config_mod.compose([f"model.path={base}", "peft=lora_attention", f"peft.dim={R}", "peft.alpha=16",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.grpo_loss import LossConfig, grpo_loss, loss_config
+from workers.trainer.loss import LossConfig, grpo_loss, loss_config
 
 CFG = LossConfig(ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=3.0,
                  reference_policy_kl_penalty=0.0, truncated_importance_sampling_ratio=2.0,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import lora_layout
-from workers.lora_layout import ModelLayout
+from workers.lora import layout as lora_layout
+from workers.lora.layout import ModelLayout
 from workers.tiny_models import RECIPES
 
 

@@ -10,17 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from launcher import config as config_mod
-from launcher import sbatch, topology
-from launcher.config import compose
-from launcher.schema import typed
+from launcher.config import compose as config_mod
+from launcher import plan as plan_mod
+from launcher.job import sbatch
+from launcher.config.compose import compose
+from launcher.config.schema import typed
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
 def plan_of(*overrides):
     cfg = typed(compose(list(overrides)))
-    return cfg, topology.build(cfg.topology)
+    return cfg, plan_mod.build(cfg.topology)
 
 
 # topology -> (train ranks per node, vLLM workers per node, tp, dp, engines, generation tp)
@@ -48,9 +49,9 @@ def test_plan_arithmetic(name):
     assert plan.tp * plan.pp * plan.cp * plan.dp == plan.train_world
     for n in plan.nodes:
         res = n.ray_resources()
-        assert res[topology.node_resource(n.index)] == topology.NODE_RESOURCE_UNITS
-        assert res.get(topology.TRAIN_SLOT, 0) == len(n.train_ranks)
-        assert res.get(topology.GENERATION_SLOT, 0) == len(n.generation_workers)
+        assert res[plan_mod.node_resource(n.index)] == plan_mod.NODE_RESOURCE_UNITS
+        assert res.get(plan_mod.TRAIN_SLOT, 0) == len(n.train_ranks)
+        assert res.get(plan_mod.GENERATION_SLOT, 0) == len(n.generation_workers)
     for r in range(plan.train_world):
         assert r in plan.nodes[plan.trainer_node(r)].train_ranks
 

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from workers import refit
-from workers.refit import RefitLayout, TensorMeta, plan_buckets
+from workers.refit import wire as refit
+from workers.refit.wire import RefitLayout, TensorMeta, plan_buckets
 
 
 def _named():

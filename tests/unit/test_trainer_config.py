@@ -8,8 +8,8 @@ import pytest
 import torch
 import yaml
 
-from workers.trainer import TrainerConfig, guard_refit_names
-from workers.trainer_group import split_batch
+from workers.trainer.actor import TrainerConfig, guard_refit_names
+from workers.trainer.group import split_batch
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

@@ -1,0 +1,245 @@
+"""Inside the job: form a Ray cluster across the job's nodes, run the driver, stop Ray by PID.
+
+Every task of the job (one per node) runs `run_task(run_dir)`: through submitit (the launcher's
+path) or through `srun python -m launcher.cluster.bootstrap RUN_DIR` (the sbatch template's path).
+
+- Task 0 starts the Ray head on its node with token authentication (a fresh per-job token, file
+  mode 0600) and no dashboard beyond loopback, publishes `head.json` in the rendezvous directory
+  on the shared run directory, then runs the driver.
+- Other tasks wait for `head.json` and for the head's port to answer, then join with the role
+  resources the plan gives their node, retrying a failed `ray start` a few times. A node that
+  cannot join writes `failed_node<i>.json`, so the driver fails at once naming it.
+- The driver waits until every planned node has registered; after `ray.register_timeout_s` it
+  fails naming the missing nodes. When the driver ends it writes `done`; every task then stops
+  its own `ray start` process tree by PID (never `ray stop`, which kills every Ray on the host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from launcher import plan as plan_mod
+from launcher.cluster.context import ClusterError, JobContext, check_nodes, log
+from launcher.cluster.ray_node import (auth_env, connect, disconnect, fatal_ray_error, free_port, port_open,
+                                       resolve_ip, start_ray, stop_process_tree, tail, wait_for_nodes, wait_port,
+                                       write_json)
+from launcher.config import compose as config_mod
+from launcher.config.schema import Config, typed
+from launcher.job import stop
+from launcher.paths import checkpoint_dirs
+
+
+def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
+    """One task of a Slurm job: node 0 runs head + driver, the others run Ray workers.
+
+    Under submitit, its handler takes USR2 (checkpoint + requeue, launcher.submit.JobTask). Under
+    plain sbatch (`plain_sbatch`), USR2 and SIGTERM both stop the driver after a checkpoint and the
+    job requeues itself with scontrol."""
+    run_dir = Path(run_dir).resolve()
+    cfg = typed(config_mod.load(run_dir / "config.yaml"))
+    plan = plan_mod.build(cfg.topology)
+    ctx = JobContext.from_slurm(run_dir)
+    if len(ctx.hostnames) != len(plan.nodes):
+        raise ClusterError(f"the job has {len(ctx.hostnames)} nodes but topology {cfg.topology.name} plans "
+                           f"{len(plan.nodes)}")
+    if ctx.node_index != 0:
+        return run_worker(ctx, cfg, plan)
+    if ctx.attempt > 0:  # requeued (preemption, time limit, node failure): continue from the latest checkpoint
+        cfg.resume = resume_after_requeue(cfg, run_dir)
+        log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
+            (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
+    try:
+        out = run_head(ctx, cfg, plan, signals=stop.job_handlers(plain_sbatch))
+        if plain_sbatch and (out.get("result") or {}).get("stopped"):
+            log(f"requeueing job {ctx.job_id}: the restarted job resumes from the checkpoint just saved")
+            stop.requeue(ctx.job_id)
+        return out
+    except ClusterError as e:
+        restarts = record_failure(run_dir, ctx.job_id, e)
+        if restarts > cfg.retry.max_restarts:
+            raise
+        log(f"error: {e}\nrestart {restarts}/{cfg.retry.max_restarts} (retry.max_restarts): requeueing job "
+            f"{ctx.job_id}; it continues from the latest complete checkpoint")
+        stop.requeue(ctx.job_id)
+        return {"node": ctx.hostname, "role": "head", "requeued": str(e)}
+
+
+def record_failure(run_dir: Path, job_id: str, error: BaseException) -> int:
+    """Append the failure to RUN/failures.jsonl; how many failures this job (all its restarts) had."""
+    path = run_dir / "failures.jsonl"
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": job_id, "error": str(error)}) + "\n")
+    return sum(1 for line in path.read_text().splitlines() if json.loads(line)["job"] == job_id)
+
+
+def resume_after_requeue(cfg: Config, run_dir: Path) -> str | None:
+    from launcher.driver.checkpoints import CheckpointManager
+
+    done = CheckpointManager(checkpoint_dirs(cfg, run_dir), cfg.checkpointing).complete()
+    return str(done[-1].path) if done else cfg.resume
+
+
+# --------------------------------------------------------------------------------- the driver
+def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signals: dict | None = None):
+    """Run `driver(cfg, plan, ctx, stop)` in a thread (job.stop.running): the main thread stays free
+    to take signals, whose handlers set `stop`; the driver ends at its next step boundary. Every
+    2 s the main thread checks that every node is still alive, whatever the driver waits for."""
+    box: dict = {}
+
+    def target(stop_event):
+        try:
+            box["result"] = driver(cfg, plan, ctx, stop_event)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            box["error"] = e
+
+    with stop.running(target, signals or {}) as current:
+        next_check = 0.0
+        while current.thread.is_alive():
+            current.thread.join(0.5)
+            if time.time() >= next_check and current.thread.is_alive():
+                check_nodes(ctx, plan)  # a lost node ends the run now
+                next_check = time.time() + 2.0
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+# ----------------------------------------------------------------------------------------- head
+def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, signals: dict | None = None) -> dict:
+    """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.run) with
+    `signals` {signal: handler} installed, stop Ray."""
+    ctx.rendezvous.mkdir(parents=True, exist_ok=True)
+    os.chmod(ctx.rendezvous, 0o700)
+    os.environ.update(auth_env(ctx))  # this process becomes the driver; Ray reads the auth mode at import
+    token = ctx.rendezvous / "token"
+    earlier = ctx.run_dir / "ray" / f"{ctx.job_id}.{ctx.attempt - 1}" / "token"
+    # a restart inside this process keeps the job's token: Ray reads it once per process
+    secret = earlier.read_text() if ctx.attempt > 0 and earlier.exists() else secrets.token_hex(32)
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    ip = resolve_ip(ctx.hostnames[0])
+    port = cfg.ray.port if cfg.topology.executor == "slurm" else free_port()
+    ray_proc = start_ray(ctx, cfg, plan.nodes[0], head_ip=ip, port=port, head=True)
+    status = {"ok": False, "error": None}
+    try:
+        wait_port(ip, port, timeout=60, proc=ray_proc, what=f"the Ray head on {ctx.hostname}",
+                  log_file=ctx.log_path("ray"))
+        write_json(ctx.rendezvous / "head.json", {"ip": ip, "port": port, "host": ctx.hostname})
+        log(f"Ray head up at {ip}:{port} on {ctx.hostname} (job {ctx.job_id}); waiting for "
+            f"{len(plan.nodes)} node(s)")
+        connect(ctx, ip, port)
+        wait_for_nodes(ctx, cfg, plan)
+        (ctx.rendezvous / "registered").touch()  # from now on a lost node is a failure, not a retry
+        if driver is None:
+            from launcher import driver as driver_mod
+            driver = driver_mod.run
+        result = run_driver(driver, cfg, plan, ctx, signals)
+        status["ok"] = True
+        return {"node": ctx.hostname, "role": "head", "result": result}
+    except BaseException as e:
+        status["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        write_json(ctx.rendezvous / "done", status)
+        if any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
+            stop_process_tree(ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
+            disconnect()
+        else:
+            disconnect()
+            stop_process_tree(ray_proc)
+
+
+# --------------------------------------------------------------------------------------- worker
+def run_worker(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> dict:
+    """Join the head (retrying), stay until the driver is done, then stop Ray by PID."""
+    node = plan.nodes[ctx.node_index]
+    done = ctx.rendezvous / "done"
+    head_file = ctx.rendezvous / "head.json"
+    deadline = time.time() + cfg.ray.register_timeout_s
+    while not head_file.exists():
+        if done.exists():
+            return {"node": ctx.hostname, "role": "worker", "joined": False}
+        if time.time() > deadline:
+            return _report_failure(ctx, f"no Ray head published {head_file} within "
+                                        f"{cfg.ray.register_timeout_s:.0f}s")
+        time.sleep(0.5)
+    head = json.loads(head_file.read_text())
+    try:
+        wait_port(head["ip"], head["port"], timeout=cfg.ray.register_timeout_s, what="the Ray head")
+    except ClusterError as e:
+        return _report_failure(ctx, str(e))
+    time.sleep(0.3 * ctx.node_index)  # stagger joins: many raylets at once miss Ray's registration window
+    reason = ""
+    for attempt in range(1, cfg.ray.join_retries + 1):
+        started = time.time()
+        proc = start_ray(ctx, cfg, node, head_ip=head["ip"], port=head["port"], head=False)
+        fatal = None
+        try:
+            while not done.exists() and proc.poll() is None:
+                fatal = fatal_ray_error(ctx.ray_temp_dir, since=started)
+                if fatal:
+                    break
+                if not port_open(head["ip"], head["port"]) and not _head_back(head, done):
+                    raise ClusterError(f"the Ray head {head['host']} stopped answering")
+                time.sleep(1.0)
+        finally:
+            stop_process_tree(proc)
+        if done.exists():
+            return {"node": ctx.hostname, "role": "worker", "joined": True, "attempts": attempt}
+        reason = fatal or f"`ray start` exited with code {proc.returncode} ({tail(ctx.log_path('ray'))})"
+        if (ctx.rendezvous / "registered").exists():  # the run had started: rejoining cannot help it
+            return _report_failure(ctx, f"this node's Ray stopped: {reason}")
+        log(f"{ctx.hostname}: attempt {attempt}/{cfg.ray.join_retries} to join failed: {reason}")
+        time.sleep(1.0)
+    return _report_failure(ctx, f"{cfg.ray.join_retries} attempts failed; last: {reason}")
+
+
+def _head_back(head: dict, done: Path, grace_s: float = 20.0) -> bool:
+    """True if the head answers again within grace_s (or the job finished meanwhile)."""
+    t = time.time() + grace_s
+    while time.time() < t:
+        if done.exists() or port_open(head["ip"], head["port"]):
+            return True
+        time.sleep(1.0)
+    return False
+
+
+def _report_failure(ctx: JobContext, reason: str) -> dict:
+    log(f"{ctx.hostname}: cannot join the Ray cluster: {reason}")
+    write_json(ctx.rendezvous / f"failed_node{ctx.node_index}.json",
+                {"node_index": ctx.node_index, "host": ctx.hostname, "reason": reason,
+                 "log": str(ctx.log_path("ray"))})
+    # exit 0: the driver reports the failure with the whole picture; a non-zero exit would make
+    # srun (--kill-on-bad-exit) kill the driver before it can say what happened
+    return {"node": ctx.hostname, "role": "worker", "joined": False, "error": reason}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`srun python -m launcher.cluster.bootstrap RUN_DIR`: the sbatch template's entry point."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: python -m launcher.cluster.bootstrap RUN_DIR   (one task per node, inside a Slurm job)",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # lets submitit.JobEnvironment read the Slurm env
+    stop.ignore_job_signals()  # default action: die; a worker task must outlive the checkpoint
+    try:
+        result = run_task(argv[0], plain_sbatch=True)
+    except (ClusterError, config_mod.ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    log(f"task done: {json.dumps(result, default=str)[:500]}")
+    return 0  # a worker that could not join exits 0: the driver reports it (see _report_failure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

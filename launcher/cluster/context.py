@@ -1,0 +1,86 @@
+"""What every part inside the job knows about where it runs: the job's identity, its nodes, its
+run directory, and how it reports (`log`, ClusterError naming nodes and logs).
+
+`check_nodes` is the one liveness check: the bootstrap's watch loop and the driver's failure
+messages both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher import plan as plan_mod
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster of the job could not be formed (names the nodes and the logs to read)."""
+
+
+@dataclass
+class JobContext:
+    run_dir: Path
+    job_id: str
+    attempt: int             # Slurm restart count: a requeued job gets a fresh rendezvous
+    node_index: int
+    hostnames: list[str]
+    progress: dict = field(default_factory=dict)   # the driver's {"step", "phase"}, for error messages
+
+    @classmethod
+    def from_slurm(cls, run_dir: Path) -> "JobContext":
+        import submitit
+
+        env = submitit.JobEnvironment()
+        return cls(run_dir, str(env.job_id), int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+                   env.global_rank, list(env.hostnames))
+
+    @classmethod
+    def local(cls, run_dir: Path, attempt: int = 0) -> "JobContext":
+        return cls(run_dir, f"local-{os.getpid()}", attempt, 0, [socket.gethostname()])
+
+    @property
+    def rendezvous(self) -> Path:
+        return self.run_dir / "ray" / f"{self.job_id}.{self.attempt}"
+
+    @property
+    def hostname(self) -> str:
+        return self.hostnames[self.node_index]
+
+    def log_path(self, what: str) -> Path:
+        return self.run_dir / "logs" / f"{what}-{self.hostname}.log"
+
+    @property
+    def ray_temp_dir(self) -> Path:
+        """Node-local and short (Ray's unix socket paths must stay under 108 characters)."""
+        return Path(f"/tmp/ray_{self.job_id}_{self.attempt}_{self.node_index}")
+
+
+def log(msg: str) -> None:
+    print(f"[launcher {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def doing(ctx: JobContext) -> str:
+    p = ctx.progress
+    return f" during {p['phase']} at step {p['step']}" if p.get("phase") else ""
+
+
+def check_nodes(ctx: JobContext, plan: plan_mod.Plan) -> None:
+    """Raise ClusterError naming any node that left the cluster (its bootstrap reported it, or
+    Ray no longer lists it alive)."""
+    import ray
+
+    for report in sorted(ctx.rendezvous.glob("failed_node*.json")):
+        r = json.loads(report.read_text())
+        node = plan.nodes[r["node_index"]]
+        raise ClusterError(f"node {node.index} ({r['host']}, {'+'.join(node.roles)}) left the Ray cluster"
+                           f"{doing(ctx)}: {r['reason']} (log: {r['log']})")
+    alive = {key for n in ray.nodes() if n.get("Alive") for key in n.get("Resources", {})}
+    for node in plan.nodes:
+        if plan_mod.node_resource(node.index) not in alive:
+            raise ClusterError(f"node {node.index} ({ctx.hostnames[node.index]}, {'+'.join(node.roles)}) is no "
+                               f"longer alive in the Ray cluster{doing(ctx)} (log: "
+                               f"{ctx.run_dir / 'logs' / f'ray-{ctx.hostnames[node.index]}.log'})")

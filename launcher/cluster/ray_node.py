@@ -1,0 +1,194 @@
+"""One node's Ray: start `ray start --block` under the reaper, connect the driver, wait for the
+planned nodes, read a daemon's fatal error from its own log, stop a node's whole tree by PID, and
+the few network helpers these need."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher import plan as plan_mod
+from launcher.cluster.context import ClusterError, JobContext, log
+from launcher.config.schema import Config
+from launcher.job import stop
+
+
+def connect(ctx: JobContext, ip: str, port: int) -> None:
+    """Connect this process (the driver) to the job's Ray cluster with the job's token."""
+    os.environ.update(auth_env(ctx))  # before ray is imported: Ray reads the auth mode once
+    import ray
+
+    from launcher.cluster import worker_setup
+
+    actor_logs = worker_setup.log_dir(ctx.run_dir)
+    try:
+        ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_setup.ENV: actor_logs},
+                              "worker_process_setup_hook": "launcher.cluster.worker_setup.setup"})
+        log(f"actor logs: {actor_logs}/<host>-pid<pid>.log")
+    except (ConnectionError, RuntimeError) as e:
+        raise ClusterError(f"the driver could not connect to the Ray head at {ip}:{port}: "
+                           f"{str(e).splitlines()[0]}") from e
+
+
+def disconnect() -> None:
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()  # before the head goes, else interpreter exit can hang
+
+
+def wait_for_nodes(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> None:
+    """Block until every planned node is registered in Ray; fail fast naming the missing ones."""
+    import ray
+
+    deadline = time.time() + cfg.ray.register_timeout_s
+    t0 = time.time()
+    while True:
+        alive = {key for n in ray.nodes() if n.get("Alive") for key in n.get("Resources", {})}
+        missing = [n for n in plan.nodes if plan_mod.node_resource(n.index) not in alive]
+        fatal = fatal_ray_error(ctx.ray_temp_dir, since=0.0)  # this job attempt's own temp dir
+        if fatal:
+            raise ClusterError(f"node 0 ({ctx.hostname}, head): {fatal}")
+        failed = sorted(ctx.rendezvous.glob("failed_node*.json"))
+        if failed:
+            reports = [json.loads(p.read_text()) for p in failed]
+            raise ClusterError("; ".join(
+                f"node {r['node_index']} ({r['host']}, {'+'.join(plan.nodes[r['node_index']].roles)}) could not "
+                f"join the Ray cluster: {r['reason']} (log: {r['log']})" for r in reports))
+        if not missing:
+            log(f"all {len(plan.nodes)} node(s) registered in {time.time() - t0:.1f}s")
+            return
+        if time.time() > deadline:
+            raise ClusterError(
+                f"{len(missing)} of {len(plan.nodes)} node(s) did not register with the Ray head within "
+                f"{cfg.ray.register_timeout_s:.0f}s: " + ", ".join(
+                    f"node {n.index} ({ctx.hostnames[n.index]}, {'+'.join(n.roles)}; log: "
+                    f"{ctx.run_dir / 'logs' / f'ray-{ctx.hostnames[n.index]}.log'})" for n in missing))
+        time.sleep(0.5)
+
+
+def auth_env(ctx: JobContext) -> dict[str, str]:
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ctx.rendezvous / "token")}
+
+
+def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: str, port: int,
+              head: bool) -> subprocess.Popen:
+    """`ray start --block` for this node, in its own session so its whole tree can be stopped."""
+    r = cfg.ray
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    cpus = int(os.environ.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
+    cmd = [ray_bin, "start", "--block", "--disable-usage-stats",
+           f"--node-ip-address={resolve_ip(ctx.hostname) if not head else head_ip}",
+           f"--num-cpus={max(cpus, len(node.train_ranks) + len(node.generation_workers))}",
+           f"--num-gpus={node.gpus if cfg.topology.device == 'cuda' else 0}",
+           f"--resources={json.dumps(node.ray_resources())}",
+           f"--object-store-memory={r.object_store_mb * 2**20}",
+           f"--temp-dir={ctx.ray_temp_dir}"]
+    if cfg.topology.executor == "slurm":  # pinned ports (each node has its own port space)
+        cmd += [f"--node-manager-port={r.node_manager_port}", f"--object-manager-port={r.object_manager_port}",
+                f"--min-worker-port={r.min_worker_port}", f"--max-worker-port={r.max_worker_port}"]
+    if head:
+        cmd += ["--head", f"--port={port}", "--include-dashboard=false"]
+    else:
+        cmd += [f"--address={head_ip}:{port}"]
+    log_file = ctx.log_path("ray")
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **auth_env(ctx), "RAY_USAGE_STATS_ENABLED": "0"}
+    with open(log_file, "a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        # under launcher.reaper: nothing of this Ray node survives this process (see its docstring)
+        return subprocess.Popen([sys.executable, "-m", "launcher.cluster.reaper", str(os.getpid()), *cmd], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=stop.block_job_signals)
+
+
+def fatal_ray_error(temp_dir: Path, since: float) -> str | None:
+    """The fatal error of a Ray daemon on this node (raylet, GCS), from its logs, if one died.
+
+    `ray start` notices a dead raylet only after its 30 s registration timeout; the daemon's own
+    log says what happened within a second ("Failed to start the grpc server ... port 6800",
+    "Address already in use")."""
+    logs = temp_dir / "session_latest" / "logs"
+    if not logs.is_dir():
+        return None
+    for f in sorted(logs.glob("*")):
+        if not f.name.startswith(("raylet", "gcs_server")) or f.stat().st_mtime < since:
+            continue
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if " C " in line and "Check failed:" in line:
+                what = line.split("Check failed:", 1)[1].split(" This means", 1)[0].strip()
+                why = " (Address already in use)" if "Address already in use" in text else ""
+                return f"{f.name.split('.')[0]} died: {what}{why} (log: {f})"
+    return None
+
+
+def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGKILL everything below `proc` (a launcher.reaper: a subreaper, so the node's whole Ray tree
+    stays below it, orphans included), then the reaper itself. By PID only. No SIGTERM: Ray's
+    processes block it (see _block_job_signals), and a node being taken down has nothing to drain."""
+    from launcher.cluster.reaper import descendants, kill_below
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None and len(descendants(proc.pid)) > 1:
+        kill_below(proc.pid)  # repeated: catches a process forked while we were killing
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=timeout_s)
+
+
+# ------------------------------------------------------------------------------------- network
+def resolve_ip(host: str) -> str:
+    return socket.gethostbyname(host)
+
+
+def port_open(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(host: str, port: int, timeout: float, what: str, proc: subprocess.Popen | None = None,
+              log_file: Path | None = None) -> None:
+    deadline = time.time() + timeout
+    while not port_open(host, port):
+        if proc is not None and proc.poll() is not None:
+            raise ClusterError(f"{what} exited with code {proc.returncode} before listening on {host}:{port}"
+                               + (f" ({tail(log_file)})" if log_file else ""))
+        if time.time() > deadline:
+            raise ClusterError(f"{what} did not answer on {host}:{port} within {timeout:.0f}s")
+        time.sleep(0.3)
+
+
+def tail(path: Path | None, n: int = 3) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]  # type: ignore[union-attr]
+        return f"{path}: " + " | ".join(lines[-n:])
+    except (OSError, AttributeError):
+        return f"see {path}"
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)

@@ -1,0 +1,113 @@
+"""Compose the Hydra config from conf/ and the command line; save and reload resolved configs.
+
+We use Hydra's compose API rather than @hydra.main: the launcher keeps control of the working
+directory, of its own output and of error messages (a user's typo gets one line naming the key,
+never a Hydra traceback). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.config.schema import ConfigError  # noqa: F401 - re-exported: the CLI's error type
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+GROUPS = ("topology", "model", "peft", "grpo", "optim", "refit", "checkpointing", "slurm")
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose conf/config.yaml with `overrides`, resolve every interpolation, raise ConfigError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    for o in overrides:
+        _check_group_choice(o)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name="launcher"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    except OverrideParseException:
+        raise ConfigError(_unparsable(overrides), "cannot parse this override (expected key=value; quote "
+                                                  "values with special characters: key='a b')") from None
+    except MissingConfigException as e:
+        raise ConfigError("config", _first_line(e)) from None
+    except HydraException as e:
+        raise ConfigError(_override_of(e, overrides), _hydra_message(e)) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(getattr(e, "full_key", None) or "config", _first_line(e)) from None
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(getattr(e, "full_key", "config")), _first_line(e)) from None
+    return cfg
+
+
+def _check_group_choice(override: str) -> None:
+    """`topology=foo` for a group that has no foo.yaml: say which options exist."""
+    key, sep, value = override.partition("=")
+    key = key.lstrip("+~")
+    if sep and key in GROUPS and not (CONF_DIR / key / f"{value}.yaml").exists():
+        raise ConfigError(key, f"no option {value!r}; available: {', '.join(group_options(key))}")
+
+
+def _unparsable(overrides: list[str]) -> str:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except OverrideParseException:
+            return o
+    return "overrides"
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _override_of(e: Exception, overrides: list[str]) -> str:
+    text = str(e)
+    for o in overrides:
+        key = o.partition("=")[0].lstrip("+~")
+        if f"'{key}'" in text or f"'{o}'" in text:
+            return key
+    return "overrides"
+
+
+def _hydra_message(e: Exception) -> str:
+    text = str(e)
+    if ("Key '" in text and "is not in struct" in text) or "To append to your config use +" in text:
+        return "unknown key (check the spelling, or use +key=value to add a new key)"
+    if "Could not append to config. An item is already at" in text:
+        return "already exists: drop the leading '+' to change it"
+    if "Could not override" in text and "No match in the defaults list" in text:
+        return "unknown config group"
+    return _first_line(e)
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def save(cfg: DictConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(path)
+
+
+def load(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(str(path), "no resolved config here (is this a run directory?)")
+    return OmegaConf.load(path)

@@ -1,0 +1,291 @@
+"""Typed schema of the config tree (the YAML files in conf/ hold the values, this holds the types).
+
+`typed(cfg)` merges a composed DictConfig into these dataclasses, so a wrong type
+(`grpo.max_num_steps=abc`) or a misspelt key becomes a ConfigError naming the key. Workers
+receive the plain sections they need (`OmegaConf.to_container(cfg.peft)`), not this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+
+class ConfigError(Exception):
+    """A user mistake in the config: one line naming the key and what is allowed."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+@dataclass
+class TrainRole:
+    nodes: int = 1
+    ranks_per_node: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class GenerationRole:
+    nodes: int = 1
+    ranks_per_node: int = 1
+    engines: int = 1
+    tensor_parallel: int = 1
+
+
+@dataclass
+class Topology:
+    name: str = "local"
+    executor: str = "local"
+    device: str = "cpu"
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_node: Optional[int] = None
+    colocate_roles: bool = False
+    train: TrainRole = field(default_factory=TrainRole)
+    generation: GenerationRole = field(default_factory=GenerationRole)
+
+
+@dataclass
+class Model:
+    name: str = "tiny_llama"
+    path: Optional[str] = None
+    builtin: Optional[str] = None
+    family: str = "llama"
+    dtype: str = "float32"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    head_dim: int = 32
+    num_experts: int = 0
+
+
+@dataclass
+class Peft:
+    enabled: bool = True
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj"])
+    dim: int = 16
+    alpha: float = 32
+    dropout: float = 0.0
+    dropout_position: str = "post"
+    lora_A_init_method: str = "xavier"
+    lora_B_init_method: str = "zero"
+    lora_dtype: Optional[str] = None
+    freeze_moe_router: bool = False
+
+
+@dataclass
+class RewardScaling:
+    enabled: bool = True
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = -1.0
+    target_max: float = 1.0
+
+
+@dataclass
+class Loss:
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.28
+    ratio_clip_c: Optional[float] = 10.0
+    reference_policy_kl_penalty: float = 0.0
+    truncated_importance_sampling_ratio: Optional[float] = 5.0
+    token_level_loss: bool = True
+
+
+@dataclass
+class Dataset:
+    name: str = "say_number"
+    seed: int = 0
+
+
+@dataclass
+class Grpo:
+    max_num_steps: int = 10
+    num_prompts_per_step: int = 8
+    num_generations_per_prompt: int = 2
+    max_new_tokens: int = 16
+    max_total_sequence_length: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
+    advantage_clip: Optional[float] = 50.0
+    reward_scaling: RewardScaling = field(default_factory=RewardScaling)
+    loss: Loss = field(default_factory=Loss)
+    dataset: Dataset = field(default_factory=Dataset)
+    reward: str = "say_number"
+
+
+@dataclass
+class Optim:
+    optimizer: str = "adam"
+    lr: float = 1e-5
+    min_lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_iters: Optional[int] = None
+    override_opt_param_scheduler: bool = False
+    use_distributed_optimizer: Any = "auto"
+
+
+@dataclass
+class Refit:
+    mode: str = "merged"
+    bucket_mb: int = 256
+    transport: str = "auto"
+
+
+@dataclass
+class Checkpointing:
+    enabled: bool = True
+    dir: Optional[str] = None
+    save_period: int = 5
+    keep_top_k: Optional[int] = 1
+    metric_name: str = "train/reward"
+    higher_is_better: bool = True
+
+
+@dataclass
+class Slurm:
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_min: int = 240
+    signal_delay_s: int = 120
+    max_num_timeout: int = 3
+    setup: list[str] = field(default_factory=list)
+    container_image: Optional[str] = None
+    container_mounts: Optional[str] = None
+    extra_sbatch: dict[str, Any] = field(default_factory=dict)
+    python: Optional[str] = None
+
+
+@dataclass
+class Run:
+    name: str = "run"
+    root: str = "runs"
+    seed: int = 1234
+    job: str = "grpo"
+
+
+@dataclass
+class Vllm:
+    dtype: str = "float32"
+    max_model_len: int = 512
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.6
+    kv_cache_memory_bytes: int = 64 * 2**20
+    max_lora_rank: int = 16
+
+
+@dataclass
+class RayCfg:
+    port: int = 6379
+    node_manager_port: int = 6800
+    object_manager_port: int = 6801
+    min_worker_port: int = 10002
+    max_worker_port: int = 10999
+    object_store_mb: int = 256
+    register_timeout_s: float = 120.0
+    join_retries: int = 3
+
+
+@dataclass
+class Logging:
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None
+    wandb_entity: Optional[str] = None
+
+
+@dataclass
+class Retry:
+    max_restarts: int = 0
+
+
+@dataclass
+class Config:
+    topology: Topology = field(default_factory=Topology)
+    model: Model = field(default_factory=Model)
+    peft: Peft = field(default_factory=Peft)
+    grpo: Grpo = field(default_factory=Grpo)
+    optim: Optim = field(default_factory=Optim)
+    refit: Refit = field(default_factory=Refit)
+    checkpointing: Checkpointing = field(default_factory=Checkpointing)
+    slurm: Slurm = field(default_factory=Slurm)
+    run: Run = field(default_factory=Run)
+    vllm: Vllm = field(default_factory=Vllm)
+    ray: RayCfg = field(default_factory=RayCfg)
+    logging: Logging = field(default_factory=Logging)
+    retry: Retry = field(default_factory=Retry)
+    dry_run: bool = False
+    submit: bool = True
+    resume: Optional[str] = None   # added by +resume=...
+
+
+def from_dict(cls, d: dict | None, section: str):
+    """A section dataclass from plain data (what actors receive), refusing unknown keys."""
+    import dataclasses
+
+    d = dict(d or {})
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"{section}: unknown keys {sorted(unknown)}")
+    return cls(**d)
+
+
+def typed(cfg: DictConfig) -> Config:
+    """Merge `cfg` into the schema; a type error or unknown key becomes a ConfigError."""
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    except ConfigKeyError as e:
+        raise ConfigError(str(e.full_key), "unknown key (check the spelling)") from None
+    except OmegaConfBaseException as e:
+        key = str(getattr(e, "full_key", "") or "config")
+        raise ConfigError(key, f"expected {_expected_type(key)}, got {getattr(e, 'value', None)!r}") from None
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def _expected_type(full_key: str) -> str:
+    """The declared type of a dotted key, in words ('integer', 'list of strings', ...)."""
+    import dataclasses
+    import typing
+
+    hints: Any = typing.get_type_hints(Config)
+    tp: Any = Config
+    for part in full_key.split("."):
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        tp = hints.get(part, Any)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union and len(args) == 1:
+        return _expected_word(args[0]) + " or null"
+    return _expected_word(tp)
+
+
+def _expected_word(tp: Any) -> str:
+    import typing
+
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    if typing.get_origin(tp) is list:
+        return "a list like [a, b]"
+    if typing.get_origin(tp) is dict:
+        return "a mapping like {key: value}"
+    return words.get(tp, "a value of the declared type")

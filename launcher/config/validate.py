@@ -1,0 +1,244 @@
+"""Every rule a config must pass before anything is written or submitted.
+
+`validate(cfg, submitting)` returns a list of ConfigError (one line each: the key, what is wrong,
+what is allowed). The topology arithmetic lives in launcher.topology; this module adds the rules
+that tie the topology to the model, LoRA, vLLM, GRPO, checkpointing and Slurm sections.
+Paths are only required to exist when submitting (a dry run can plan for a cluster whose
+filesystem this machine does not see).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launcher import plan as plan_mod
+from launcher.config.compose import ConfigError
+from launcher.config.schema import Config
+
+# Megatron module paths (inside decoder.layers.N) that LoRA may wrap, per model family.
+LORA_MODULES = {
+    "llama": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
+    "qwen2": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
+    "nemotron_h": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                   "mixer.in_proj", "mixer.out_proj"),
+}
+FAMILIES = tuple(LORA_MODULES)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DTYPES = ("float32", "bfloat16", "float16")
+LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
+REFIT_MODES = ("merged", "merged_delta", "adapter")
+TRANSPORTS = ("auto", "ray", "gloo", "nccl")
+DATASETS = ("say_number", "math_add")
+REWARDS = ("say_number", "math_answer")
+JOBS = ("grpo", "placement_smoke", "hold")
+
+
+def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
+    errs = plan_mod.check(cfg.topology)
+    errs += _model(cfg, submitting)
+    errs += _parallel_vs_model(cfg)
+    errs += _peft(cfg)
+    errs += _refit_and_vllm(cfg)
+    errs += _grpo(cfg)
+    errs += _checkpointing_and_slurm(cfg)
+    if cfg.retry.max_restarts < 0:
+        errs.append(ConfigError("retry.max_restarts", f"must be 0 or more, got {cfg.retry.max_restarts}"))
+    if cfg.logging.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            errs.append(ConfigError("logging.wandb_project", "wandb is not installed (pip install wandb), "
+                                                             "or set logging.wandb_project=null"))
+    if cfg.run.job not in JOBS:
+        errs.append(ConfigError("run.job", f"must be one of {', '.join(JOBS)}, got {cfg.run.job!r}"))
+    return errs
+
+
+def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
+    m = cfg.model
+    errs = []
+    if m.family not in FAMILIES:
+        errs.append(ConfigError("model.family", f"must be one of {', '.join(FAMILIES)}, got {m.family!r}"))
+    if m.dtype not in DTYPES:
+        errs.append(ConfigError("model.dtype", f"must be one of {', '.join(DTYPES)}, got {m.dtype!r}"))
+    if m.path is None:
+        from workers.tiny_models import RECIPES  # a plain dict; importing it does not import torch
+
+        if m.builtin not in RECIPES:
+            errs.append(ConfigError("model.builtin", f"with model.path null, must be a built-in recipe: "
+                                                     f"{', '.join(sorted(RECIPES))}; got {m.builtin!r}"))
+    elif submitting or Path(m.path).exists():
+        errs += _model_dir(cfg)
+    if m.num_attention_heads % max(m.num_query_groups, 1):
+        errs.append(ConfigError("model.num_query_groups", f"must divide num_attention_heads = "
+                                                          f"{m.num_attention_heads}, got {m.num_query_groups}"))
+    return errs
+
+
+def _model_dir(cfg: Config) -> list[ConfigError]:
+    """A local HF checkpoint: it exists and its config.json agrees with the architecture facts."""
+    m = cfg.model
+    path = Path(m.path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        return [ConfigError("model.path", f"{m.path} is not a directory (a local HF checkpoint is needed)")]
+    if not cfg_file.is_file():
+        return [ConfigError("model.path", f"{m.path} has no config.json (a local HF checkpoint is needed)")]
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        return [ConfigError("model.path", f"{cfg_file} is not valid JSON: {e}")]
+    facts = {"num_layers": hf.get("num_hidden_layers"), "hidden_size": hf.get("hidden_size"),
+             "num_attention_heads": hf.get("num_attention_heads"),
+             "num_query_groups": hf.get("num_key_value_heads", hf.get("num_attention_heads")),
+             "head_dim": hf.get("head_dim") or (hf["hidden_size"] // hf["num_attention_heads"]
+                                                if hf.get("hidden_size") and hf.get("num_attention_heads") else None)}
+    return [ConfigError(f"model.{k}", f"is {getattr(m, k)} but {cfg_file} says {v}")
+            for k, v in facts.items() if v is not None and v != getattr(m, k)]
+
+
+def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
+    m, tr, gen = cfg.model, cfg.topology.train, cfg.topology.generation
+    errs = []
+    if tr.tensor_parallel >= 1 and m.num_query_groups % tr.tensor_parallel:
+        errs.append(ConfigError("topology.train.tensor_parallel",
+                                f"must divide model.num_query_groups = {m.num_query_groups} (a TP rank holds whole "
+                                f"query groups), got {tr.tensor_parallel}"))
+    if tr.pipeline_parallel >= 1 and m.num_layers % tr.pipeline_parallel:
+        errs.append(ConfigError("topology.train.pipeline_parallel",
+                                f"must divide model.num_layers = {m.num_layers}, got {tr.pipeline_parallel}"))
+    if m.num_experts == 0 and tr.expert_parallel != 1:
+        errs.append(ConfigError("topology.train.expert_parallel",
+                                f"model {m.name} has no experts: must be 1, got {tr.expert_parallel}"))
+    elif m.num_experts and tr.expert_parallel >= 1 and m.num_experts % tr.expert_parallel:
+        errs.append(ConfigError("topology.train.expert_parallel",
+                                f"must divide model.num_experts = {m.num_experts}, got {tr.expert_parallel}"))
+    if gen.tensor_parallel >= 1 and m.num_attention_heads % gen.tensor_parallel:
+        errs.append(ConfigError("topology.generation.tensor_parallel",
+                                f"must divide model.num_attention_heads = {m.num_attention_heads} (vLLM splits "
+                                f"heads), got {gen.tensor_parallel}"))
+    return errs
+
+
+def _layer_modules(cfg: Config) -> list[str]:
+    mods = LORA_MODULES.get(cfg.model.family, ())
+    return [f"decoder.layers.{i}.{mod}" for i in range(cfg.model.num_layers) for mod in mods]
+
+
+def _peft(cfg: Config) -> list[ConfigError]:
+    p = cfg.peft
+    if not p.enabled:
+        return []
+    errs = []
+    if p.dim < 1:
+        errs.append(ConfigError("peft.dim", f"LoRA rank must be at least 1, got {p.dim}"))
+    if p.alpha <= 0:
+        errs.append(ConfigError("peft.alpha", f"must be positive, got {p.alpha}"))
+    if not 0.0 <= p.dropout < 1.0:
+        errs.append(ConfigError("peft.dropout", f"must be in [0, 1), got {p.dropout}"))
+    if p.dropout_position not in ("pre", "post"):
+        errs.append(ConfigError("peft.dropout_position", f"must be pre or post, got {p.dropout_position!r}"))
+    for key in ("lora_A_init_method", "lora_B_init_method"):
+        if getattr(p, key) not in LORA_INITS:
+            errs.append(ConfigError(f"peft.{key}", f"must be one of {', '.join(LORA_INITS)}, got {getattr(p, key)!r}"))
+    if p.lora_dtype is not None and p.lora_dtype not in DTYPES:
+        errs.append(ConfigError("peft.lora_dtype", f"must be null or one of {', '.join(DTYPES)}, got {p.lora_dtype!r}"))
+    if not p.target_modules:
+        errs.append(ConfigError("peft.target_modules", "is empty: name at least one module, e.g. [linear_qkv]"))
+    names = _layer_modules(cfg)
+    short = sorted({n.rsplit(".", 1)[1] for n in names})
+    for target in p.target_modules:
+        if not any(_matches(target, n) for n in names):
+            errs.append(ConfigError("peft.target_modules", f"{target!r} matches no module of model {cfg.model.name} "
+                                                           f"({cfg.model.family}); allowed: {', '.join(short)} or "
+                                                           f"a pattern like decoder.layers.*.self_attention.linear_qkv"))
+    return errs
+
+
+def _matches(target: str, name: str) -> bool:
+    """Megatron-Bridge's rule: a plain name matches the last component, a pattern the full name."""
+    import re
+
+    if "." not in target and "*" not in target:
+        return name.rsplit(".", 1)[1] == target
+    return re.fullmatch(re.escape(target).replace(r"\*", ".*"), name) is not None
+
+
+def _refit_and_vllm(cfg: Config) -> list[ConfigError]:
+    r, v = cfg.refit, cfg.vllm
+    errs = []
+    if r.mode not in REFIT_MODES:
+        errs.append(ConfigError("refit.mode", f"must be one of {', '.join(REFIT_MODES)}, got {r.mode!r}"))
+    elif r.mode != "merged" and not cfg.peft.enabled:
+        errs.append(ConfigError("refit.mode", f"{r.mode} sends LoRA factors: needs peft.enabled=true "
+                                              f"(full fine-tuning uses refit=merged)"))
+    if r.bucket_mb < 1:
+        errs.append(ConfigError("refit.bucket_mb", f"must be at least 1, got {r.bucket_mb}"))
+    if r.transport not in TRANSPORTS:
+        errs.append(ConfigError("refit.transport", f"must be one of {', '.join(TRANSPORTS)}, got {r.transport!r}"))
+    elif r.transport == "nccl" and cfg.topology.device != "cuda":
+        errs.append(ConfigError("refit.transport", "nccl needs topology.device=cuda; on cpu use auto, ray or gloo"))
+    if v.max_lora_rank not in VLLM_LORA_RANKS:
+        errs.append(ConfigError("vllm.max_lora_rank", f"vLLM allows {', '.join(map(str, VLLM_LORA_RANKS))}; "
+                                                      f"got {v.max_lora_rank}"))
+    elif r.mode == "adapter" and cfg.peft.enabled and cfg.peft.dim > v.max_lora_rank:
+        errs.append(ConfigError("vllm.max_lora_rank", f"must be at least peft.dim = {cfg.peft.dim} for "
+                                                      f"refit.mode=adapter, got {v.max_lora_rank}"))
+    if v.dtype not in DTYPES:
+        errs.append(ConfigError("vllm.dtype", f"must be one of {', '.join(DTYPES)}, got {v.dtype!r}"))
+    if cfg.grpo.max_total_sequence_length <= cfg.grpo.max_new_tokens:
+        errs.append(ConfigError("grpo.max_total_sequence_length", f"must exceed grpo.max_new_tokens = "
+                                                                  f"{cfg.grpo.max_new_tokens} (prompt + response), "
+                                                                  f"got {cfg.grpo.max_total_sequence_length}"))
+    return errs
+
+
+def _grpo(cfg: Config) -> list[ConfigError]:
+    g = cfg.grpo
+    errs = [ConfigError(f"grpo.{k}", f"must be at least 1, got {getattr(g, k)}")
+            for k in ("max_num_steps", "num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens")
+            if getattr(g, k) < 1]
+    if errs:
+        return errs
+    tr = cfg.topology.train
+    model_par = tr.tensor_parallel * tr.pipeline_parallel * tr.context_parallel
+    world = tr.nodes * tr.ranks_per_node
+    dp = world // model_par if model_par >= 1 and world % model_par == 0 else 0
+    batch = g.num_prompts_per_step * g.num_generations_per_prompt
+    if dp and batch % dp:
+        errs.append(ConfigError("grpo.num_prompts_per_step", f"prompts x generations = {batch} must divide evenly "
+                                                             f"over the {dp} data-parallel trainer groups"))
+    if g.temperature <= 0:
+        errs.append(ConfigError("grpo.temperature", f"must be positive (GRPO samples), got {g.temperature}"))
+    if not 0 < g.top_p <= 1:
+        errs.append(ConfigError("grpo.top_p", f"must be in (0, 1], got {g.top_p}"))
+    if g.use_leave_one_out_baseline and g.num_generations_per_prompt < 2:
+        errs.append(ConfigError("grpo.use_leave_one_out_baseline", "needs num_generations_per_prompt >= 2"))
+    loss = g.loss
+    if loss.ratio_clip_min < 0 or loss.ratio_clip_max < 0:
+        errs.append(ConfigError("grpo.loss.ratio_clip_min", "clip ranges must be non-negative"))
+    if loss.ratio_clip_c is not None and loss.ratio_clip_c <= 1:
+        errs.append(ConfigError("grpo.loss.ratio_clip_c", f"dual clip must be > 1 or null, got {loss.ratio_clip_c}"))
+    if loss.truncated_importance_sampling_ratio is not None and loss.truncated_importance_sampling_ratio <= 0:
+        errs.append(ConfigError("grpo.loss.truncated_importance_sampling_ratio", "must be positive or null"))
+    if g.dataset.name not in DATASETS:
+        errs.append(ConfigError("grpo.dataset.name", f"must be one of {', '.join(DATASETS)}, got {g.dataset.name!r}"))
+    if g.reward not in REWARDS:
+        errs.append(ConfigError("grpo.reward", f"must be one of {', '.join(REWARDS)}, got {g.reward!r}"))
+    return errs
+
+
+def _checkpointing_and_slurm(cfg: Config) -> list[ConfigError]:
+    c, s = cfg.checkpointing, cfg.slurm
+    errs = []
+    if c.save_period < 1:
+        errs.append(ConfigError("checkpointing.save_period", f"must be at least 1, got {c.save_period}"))
+    if c.keep_top_k is not None and c.keep_top_k < 1:
+        errs.append(ConfigError("checkpointing.keep_top_k", f"must be at least 1 or null (keep all), got {c.keep_top_k}"))
+    if s.time_min < 1:
+        errs.append(ConfigError("slurm.time_min", f"must be at least 1 minute, got {s.time_min}"))
+    if s.signal_delay_s < 0 or s.signal_delay_s >= s.time_min * 60:
+        errs.append(ConfigError("slurm.signal_delay_s", f"must be in [0, time_min*60) = [0, {s.time_min * 60}), "
+                                                        f"got {s.signal_delay_s}"))
+    return errs

@@ -1,0 +1,46 @@
+"""GRPO advantages: rewards of the n generations of each prompt against their group's baseline.
+
+scale rewards (e.g. [0, 1] -> [-1, 1]) -> per-prompt baseline (group mean, or the mean of the
+other generations with leave-one-out) -> optionally divide by the group's standard deviation
+(groups whose rewards are all equal get advantage 0) -> clip to +-advantage_clip.
+Pure Python on plain floats: small, exact and easy to check by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+from launcher.config.schema import Grpo, RewardScaling
+
+
+def scale(rewards: list[float], s: RewardScaling) -> list[float]:
+    if not s.enabled:
+        return list(rewards)
+    span = s.source_max - s.source_min
+    out = []
+    for r in rewards:
+        r = min(max(r, s.source_min), s.source_max)
+        out.append(s.target_min + (r - s.source_min) / span * (s.target_max - s.target_min))
+    return out
+
+
+def compute(rewards: list[float], g: Grpo) -> list[float]:
+    """Advantages for rewards ordered prompt-major: [p0 g0, p0 g1, ..., p1 g0, ...]."""
+    n = g.num_generations_per_prompt
+    if len(rewards) % n:
+        raise ValueError(f"{len(rewards)} rewards is not a multiple of {n} generations per prompt")
+    r = scale(rewards, g.reward_scaling)
+    adv = []
+    for start in range(0, len(r), n):
+        group = r[start:start + n]
+        mean = sum(group) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (n - 1)) if n > 1 else 0.0
+        for i, x in enumerate(group):
+            baseline = (sum(group) - x) / (n - 1) if g.use_leave_one_out_baseline and n > 1 else mean
+            a = x - baseline
+            if g.normalize_rewards:
+                a = a / (std + 1e-6) if std > 0 else 0.0
+            if g.advantage_clip is not None:
+                a = max(-g.advantage_clip, min(g.advantage_clip, a))
+            adv.append(a)
+    return adv

@@ -1,0 +1,220 @@
+"""Checkpoints `step_N/`: written whole into `tmp_step_N/`, renamed when complete, pruned by metric.
+
+A checkpoint directory holds:
+  training_info.json  step, consumed prompts (the dataloader position), the step's metrics
+  config.yaml         the resolved config of the run that wrote it
+  trainer/            adapter + optimizer + scheduler + RNG states of every trainer rank
+                      (torch distributed checkpoint, written by the trainers themselves)
+  manifest.json       every file above with its size and sha256; written last. Its presence and a
+                      match of every file is what "complete" means, and it is checked before
+                      anything is loaded: torch's checkpoint metadata is a pickle, so a file
+                      truncated, replaced or written by someone else is refused before it is read
+Only `step_N` directories with a matching manifest count; `tmp_step_N` (a save interrupted by a
+crash or a full disk) is ignored and cleared by the next save of that step.
+Retention: the latest checkpoint is always kept, plus the `keep_top_k` best by `metric_name`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.config.compose import ConfigError
+from launcher.config.schema import Checkpointing
+
+_STEP = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+INFO = "training_info.json"
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be used (names the file and what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+
+    def info(self) -> dict:
+        return json.loads((self.path / INFO).read_text())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> dict[str, dict]:
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def size_of(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError naming the first missing, truncated or unreadable file."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST})")
+    try:
+        expected = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{manifest}: not a checkpoint manifest (unreadable JSON)") from None
+    try:
+        listed = {rel: (int(e["size"]), str(e["sha256"])) for rel, e in expected.items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CheckpointError(f"{manifest}: not a checkpoint manifest (entries need size and sha256)") from None
+    for rel, (size, digest) in listed.items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (listed in {MANIFEST})")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {size} (truncated?)")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f}: content differs from the manifest (modified or replaced after the save)")
+    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*")
+                   if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in listed)
+    if extra:
+        raise CheckpointError(f"{path / extra[0]}: not part of the checkpoint (not in {MANIFEST})")
+    try:
+        info = json.loads((path / INFO).read_text())
+        int(info["step"]), int(info["consumed_prompts"])
+    except (ValueError, KeyError, TypeError, OSError):
+        raise CheckpointError(f"{path / INFO}: not valid training info (JSON with step, consumed_prompts)") from None
+
+
+# what a checkpoint's adapter/optimizer tensors depend on: resuming with any of these changed
+# would load tensors of the wrong shape or meaning
+COMPATIBLE = (("model", ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                         "head_dim", "num_experts")),
+              ("peft", ("enabled", "dim", "target_modules")))
+
+
+def check_compatible(ckpt: Path, cfg) -> None:
+    """ConfigError if the checkpoint was written for another model or LoRA shape than `cfg`'s."""
+    from launcher.config import compose as config_mod
+
+    try:
+        saved = config_mod.load(ckpt / "config.yaml")
+    except Exception:  # noqa: BLE001 - any unreadable config is the same user-facing problem
+        raise ConfigError("resume", f"{ckpt / 'config.yaml'}: unreadable; not a checkpoint of this launcher") from None
+    for section, keys in COMPATIBLE:
+        for key in keys:
+            before, now = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+            before = list(before) if hasattr(before, "__iter__") and not isinstance(before, str) else before
+            if before != now:
+                raise ConfigError("resume", f"{ckpt} was written for {section}.{key}={before} "
+                                            f"({saved.get('model', {}).get('name')}), this run has {now} "
+                                            f"({cfg.model.name}): not resumable")
+
+
+class CheckpointManager:
+    def __init__(self, root: Path, cfg: Checkpointing):
+        self.root = Path(root)
+        self.cfg = cfg
+
+    def complete(self) -> list[Checkpoint]:
+        """Complete checkpoints, oldest first."""
+        out = []
+        if self.root.is_dir():
+            for p in self.root.iterdir():
+                m = _STEP.match(p.name)
+                if m and p.is_dir():
+                    try:
+                        verify(p)
+                    except CheckpointError:
+                        continue
+                    out.append(Checkpoint(int(m.group(1)), p))
+        return sorted(out, key=lambda c: c.step)
+
+    def resolve(self, spec: str) -> Checkpoint:
+        """`latest`, `step_N` or a path -> a complete checkpoint; else a one-line ConfigError."""
+        done = self.complete()
+        listing = ", ".join(c.path.name for c in done) or "none"
+        if spec == "latest":
+            saved = sorted((int(m.group(1)), p) for p in (self.root.iterdir() if self.root.is_dir() else [])
+                           if (m := _STEP.match(p.name)) and p.is_dir())
+            if not saved:
+                raise ConfigError("resume", f"no complete checkpoint in {self.root} to resume from")
+            path = saved[-1][1]  # the newest; a damaged newest one is an error, not silently skipped
+        else:
+            m = _STEP.match(spec)
+            path = self.root / spec if m else Path(spec).expanduser().resolve()
+        if not path.is_dir():
+            raise ConfigError("resume", f"{path} does not exist; complete checkpoints in {self.root}: {listing}")
+        try:
+            verify(path)
+        except CheckpointError as e:
+            raise ConfigError("resume", f"{e}; complete checkpoints in {self.root}: {listing}") from None
+        return Checkpoint(int(json.loads((path / INFO).read_text())["step"]), path)
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.cfg.enabled and (step % self.cfg.save_period == 0 or step == last_step)
+
+    def begin(self, step: int) -> Path:
+        tmp = self.root / f"tmp_step_{step}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit(self, tmp: Path, step: int, info: dict, config_yaml: str) -> Checkpoint:
+        """Write the driver's files and the manifest into `tmp`, then rename it to step_N."""
+        (tmp / INFO).write_text(json.dumps({"step": step, **info, "time": time.time()}, indent=1))
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / MANIFEST).write_text(json.dumps({"files": _files(tmp)}, indent=1))
+        _fsync_tree(tmp)
+        final = self.root / f"step_{step}"
+        if final.exists():  # a rerun of this step after a crash: the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._retain()
+        return Checkpoint(step, final)
+
+    def _metric(self, c: Checkpoint) -> float | None:
+        try:
+            v = c.info().get("metrics", {}).get(self.cfg.metric_name)
+            return float(v) if v is not None else None
+        except (OSError, ValueError):
+            return None
+
+    def _retain(self) -> None:
+        done = self.complete()
+        if not done or self.cfg.keep_top_k is None:
+            return
+        sign = 1.0 if self.cfg.higher_is_better else -1.0
+        ranked = sorted(done, key=lambda c: (self._metric(c) is not None, sign * (self._metric(c) or 0.0), c.step),
+                        reverse=True)
+        keep = {done[-1].path} | {c.path for c in ranked[: self.cfg.keep_top_k]}
+        for c in done:
+            if c.path not in keep:
+                shutil.rmtree(c.path, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

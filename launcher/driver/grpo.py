@@ -1,0 +1,312 @@
+"""The GRPO loop, run by the driver on node 0 once the Ray cluster has formed.
+
+Per step: refit if the generators' weights are stale -> generate n samples per prompt (each
+request seeded from (run seed, step, prompt, sample), so sampling does not depend on engine
+history) -> rewards -> group advantages -> the policy's logprobs of the samples (and the
+reference's, adapters disabled, when a KL penalty is on) -> one optimizer step -> checkpoint when
+due -> metrics. A stop request (preemption signal, Ctrl-C) ends the loop at a step boundary
+after a checkpoint, so no step is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+
+from launcher import plan as plan_mod
+from launcher.cluster.context import ClusterError, JobContext, doing, log
+from launcher.config.schema import Config
+from launcher.driver import advantages, data, models
+from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
+from launcher.driver.metrics import MetricsLogger, plot, read, summary
+from launcher.paths import checkpoint_dirs
+
+
+class StepFailed(ClusterError):
+    """A step could not finish: names the role, rank, node and phase."""
+
+
+def request_seed(run_seed: int, step: int, prompt: int, sample: int) -> int:
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt}:{sample}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclass
+class Rollout:
+    """What one step sampled, in request order (prompt-major: p0 s0, p0 s1, ..., p1 s0, ...)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    generation_logprobs: list[list[float]]
+    rewards: list[float]
+    texts: list[str] = field(default_factory=list)
+
+
+def build_batch(r: Rollout, adv: list[float], pad_id: int) -> dict:
+    """docs/architecture.md's batch: prompt + response right-padded; value at t = log p(x_t | x_<t)."""
+    import torch
+
+    lengths = [len(p) + len(s) for p, s in zip(r.prompt_ids, r.response_ids)]
+    T = max(lengths)
+    B = len(lengths)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    gen_lp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, s, lp) in enumerate(zip(r.prompt_ids, r.response_ids, r.generation_logprobs)):
+        input_ids[i, : len(p) + len(s)] = torch.tensor(p + s, dtype=torch.long)
+        loss_mask[i, len(p): len(p) + len(s)] = 1.0
+        gen_lp[i, len(p): len(p) + len(s)] = torch.tensor(lp, dtype=torch.float32)
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "generation_logprobs": gen_lp,
+            "advantages": torch.tensor(adv, dtype=torch.float32)}
+
+
+class GrpoRun:
+    def __init__(self, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event | None = None):
+        self.cfg, self.plan, self.ctx = cfg, plan, ctx
+        self.stop = stop or threading.Event()
+        self.run_dir = ctx.run_dir
+        self.ckpts = CheckpointManager(checkpoint_dirs(cfg, self.run_dir), cfg.checkpointing)
+        self.dataset = data.PromptDataset(cfg.grpo.dataset.name, cfg.grpo.dataset.seed)
+        self.reward_fn = data.REWARDS[cfg.grpo.reward]
+        self.trainers = None
+        self.generators = None
+
+    # ------------------------------------------------------------------ setup
+    def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from workers.refit import wire as refit
+        from workers.generator.actor import GeneratorConfig
+        from workers.generator.group import GeneratorGroup
+        from workers.trainer.actor import TrainerConfig
+        from workers.trainer.group import TrainerGroup
+
+        cfg, plan = self.cfg, self.plan
+        t0 = time.time()
+        self.model_dir = models.ensure(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+        log(f"model {cfg.model.name} at {self.model_dir}; starting {plan.train_world} trainer rank(s) and "
+            f"{plan.engines} vLLM engine(s)")
+        self.trainers = TrainerGroup(TrainerConfig.from_run_config(plain, str(self.model_dir)),
+                                     [plan_mod.trainer_options(plan, r) for r in range(plan.train_world)])
+        gen_cfg = GeneratorConfig.from_sections(
+            str(self.model_dir), plain["vllm"], {"tensor_parallel": plan.generation_tp},
+            device=cfg.topology.device, refit_mode=cfg.refit.mode, seed=cfg.run.seed)
+        self.generators = GeneratorGroup(gen_cfg, [plan_mod.generator_options(plan, e) for e in range(plan.engines)])
+        transport = refit.connect(self.trainers, self.generators, cfg.refit.transport, cfg.topology.device)
+        log(f"actors up in {time.time() - t0:.1f}s; refit {cfg.refit.mode} over {transport}")
+        print(self.trainers.peft_statistics, flush=True)
+        self._print_actor_logs()
+
+    def _print_actor_logs(self) -> None:
+        from launcher.cluster import worker_setup
+
+        d = worker_setup.log_dir(self.run_dir)
+        lines = [f"  trainer rank {i['rank']}: {worker_setup.path_for(d, i['pid'], i['hostname'])}"
+                 for i in self.trainers.infos]
+        lines += [f"  vLLM engine {e}: {worker_setup.path_for(d, i['pid'], i.get('hostname'))}"
+                  for e, i in enumerate(self.generators.infos)]
+        log("actor logs:\n" + "\n".join(lines))
+
+    def shutdown(self) -> None:
+        for group in (self.generators, self.trainers):
+            if group is not None:
+                try:
+                    group.shutdown()
+                except Exception as e:  # noqa: BLE001 - shutting down anyway
+                    log(f"shutdown: {type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ one step
+    def phase(self, name: str) -> None:
+        self.ctx.progress["phase"] = name
+
+    def refit(self) -> dict:
+        from workers.refit import wire as refit
+
+        self.phase("refit")
+        actors = self.trainers.actors
+        report = refit.run_refit(lambda: [a.refit_payload.remote(self.cfg.refit.mode, self.cfg.refit.bucket_mb)
+                                          for a in actors], self.generators, self.cfg.refit.mode)
+        return {"timing/transfer_and_update_weights": report.transfer_and_update_weights_s,
+                "refit/bytes": report.bytes, "refit/tensors": report.tensors}
+
+    def encode_prompt(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True))
+        return list(tok(text)["input_ids"])
+
+    def rollout(self, step: int, position: int) -> tuple[Rollout, list]:
+        g = self.cfg.grpo
+        examples = self.dataset.take(position, g.num_prompts_per_step)
+        prompts, seeds, targets = [], [], []
+        for i, ex in enumerate(examples):
+            ids = self.encode_prompt(ex.prompt)
+            for j in range(g.num_generations_per_prompt):
+                prompts.append(ids)
+                seeds.append(request_seed(self.cfg.run.seed, step, i, j))
+                targets.append(ex.target)
+        outs = self.generators.generate(prompts, temperature=g.temperature, top_p=g.top_p,
+                                        max_tokens=g.max_new_tokens, seeds=seeds)
+        rewards = [self.reward_fn(o.text, t) for o, t in zip(outs, targets)]
+        return Rollout(prompts, [o.token_ids for o in outs], [o.logprobs for o in outs], rewards,
+                       [o.text for o in outs]), examples
+
+    def train_step(self, step: int, position: int) -> dict:
+        from launcher.driver.agreement import agreement_metrics
+
+        g = self.cfg.grpo
+        m: dict = {}
+        t = time.perf_counter()
+        self.phase("generation")
+        rollout, _ = self.rollout(step, position)
+        m["timing/generation"] = time.perf_counter() - t
+        adv = advantages.compute(rollout.rewards, g)
+        batch = build_batch(rollout, adv, self.tokenizer.pad_token_id or 0)
+        t = time.perf_counter()
+        self.phase("logprobs")
+        batch["prev_logprobs"] = self.trainers.logprobs(batch)
+        if g.loss.reference_policy_kl_penalty > 0:
+            batch["reference_logprobs"] = self.trainers.logprobs(batch, adapters=False)
+        m["timing/logprobs"] = time.perf_counter() - t
+        agree = agreement_metrics(batch["generation_logprobs"], batch["prev_logprobs"], batch["loss_mask"])
+        t = time.perf_counter()
+        self.phase("training")
+        train = self.trainers.train(batch)
+        m["timing/training"] = time.perf_counter() - t
+        m.update({"train/reward": sum(rollout.rewards) / len(rollout.rewards),
+                  "train/token_mult_prob_error": agree["token_mult_prob_error"],
+                  "train/gen_kl_error": agree["gen_kl_error"],
+                  "train/mean_response_tokens": float(batch["loss_mask"].sum()) / len(rollout.rewards)})
+        m.update({f"train/{k}": v for k, v in train.items() if isinstance(v, (int, float)) or hasattr(v, "item")})
+        m["sample"] = rollout.texts[0]
+        return m
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        cfg = self.cfg
+        g = cfg.grpo
+        step, position = 0, 0
+        if cfg.resume:
+            ckpt = self.ckpts.resolve(cfg.resume)
+            check_compatible(ckpt.path, cfg)
+            info = ckpt.info()
+            self.phase("resume")
+            restored = self.trainers.load_state(str(ckpt.path / "trainer"))
+            step, position = int(info["step"]), int(info["consumed_prompts"])
+            log(f"resumed from {ckpt.path} (step {step}, {position} prompts consumed; trainer {restored})")
+        metrics = MetricsLogger(self.run_dir, cfg.logging, g.max_num_steps, resumed_step=step)
+        stale, last_saved = True, step
+        config_yaml = (self.run_dir / "config.yaml").read_text()
+        try:
+            while step < g.max_num_steps and not self.stop.is_set():
+                step += 1
+                self.ctx.progress["step"] = step
+                t0 = time.perf_counter()
+                row: dict = {"timing/transfer_and_update_weights": 0.0, "refit/bytes": 0}
+                try:
+                    if stale:  # the trainer changed since the last push (always true after a train step)
+                        row.update(self.refit())
+                    row.update(self.train_step(step, position))
+                    stale = True
+                    position += g.num_prompts_per_step
+                    row["timing/total_step"] = time.perf_counter() - t0
+                    if self.ckpts.due(step, g.max_num_steps) or self.stop.is_set():
+                        self.save(step, position, row, config_yaml)
+                        last_saved = step
+                except StepFailed:
+                    raise
+                except Exception as e:  # noqa: BLE001 - named and re-raised
+                    raise StepFailed(self.describe(e)) from e
+                metrics.log(step, row)
+            if step != last_saved and self.cfg.checkpointing.enabled:
+                self.save(step, position, {}, config_yaml)
+        finally:
+            metrics.close()
+        rows = read(self.run_dir / "metrics.jsonl")
+        plot(rows, self.run_dir / "reward.png")
+        table = summary(rows)
+        (self.run_dir / "summary.txt").write_text(table + "\n")
+        stopped = self.stop.is_set() and step < g.max_num_steps
+        log(("stopped" if stopped else "finished") + f" at step {step}/{g.max_num_steps}\n" + table)
+        return {"step": step, "stopped": stopped}
+
+    def actors(self) -> dict[str, str]:
+        """Ray actor id -> 'trainer rank 1 on node2 (pid 123)' for every actor of the run."""
+        names = {}
+        for r, actor in enumerate(getattr(self.trainers, "actors", [])):
+            pid = self.trainers.infos[r]["pid"] if getattr(self.trainers, "infos", None) else "?"
+            names[actor._actor_id.hex()] = f"trainer rank {r} on {self.ctx.hostnames[self.plan.trainer_node(r)]} (pid {pid})"
+        for e, actor in enumerate(getattr(self.generators, "actors", [])):
+            pid = self.generators.infos[e].get("pid", "?") if getattr(self.generators, "infos", None) else "?"
+            names[actor._actor_id.hex()] = f"vLLM engine {e} on {self.ctx.hostnames[self.plan.engine_nodes(e)[0]]} (pid {pid})"
+        return names
+
+    def describe(self, e: BaseException) -> str:
+        """One line: which actor failed, how, and in which phase of which step."""
+        import ray
+
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, ray.exceptions.RayActorError):
+            cause = cause.__cause__ or cause.__context__
+        first = (str(cause or e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(cause, ray.exceptions.RayActorError):
+            who = self.actors().get(getattr(cause, "actor_id", None) or "", "an actor")
+            return f"{who} died{doing(self.ctx)}: {first}{self.lost_node()}"
+        return f"{type(e).__name__}{doing(self.ctx)}: {first}"
+
+    def lost_node(self, wait_s: float = 5.0) -> str:
+        """'; node 2 (node3, generation) left the Ray cluster: ...' when an actor died with its node
+        (its bootstrap reports the node within a second or two), else ''."""
+        from launcher.cluster.context import check_nodes
+
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                check_nodes(self.ctx, self.plan)
+            except ClusterError as e:
+                return f"; {str(e).replace(doing(self.ctx), '')}"
+            if time.time() > deadline:
+                return ""
+            time.sleep(0.5)
+
+    def check_disk(self, step: int) -> None:
+        """Refuse to start a save that cannot fit: estimated from the last checkpoint's size (or the
+        trainable parameters: weights + two Adam moments in float32)."""
+        import shutil
+
+        done = self.ckpts.complete()
+        trainable = self.trainers.infos[0]["num_parameters"]["trainable"]
+        need = size_of(done[-1].path) if done else 12 * trainable + (1 << 20)
+        self.ckpts.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.ckpts.root).free
+        if free < 1.2 * need:
+            raise StepFailed(f"checkpoint step_{step} needs about {need / 2**20:.1f} MiB but only "
+                             f"{free / 2**20:.1f} MiB are free in {self.ckpts.root}; nothing was written "
+                             f"(free space or set checkpointing.dir)")
+
+    def save(self, step: int, position: int, row: dict, config_yaml: str) -> None:
+        self.phase("checkpoint")
+        self.check_disk(step)
+        t = time.perf_counter()
+        tmp = self.ckpts.begin(step)
+        self.trainers.save_state(str(tmp / "trainer"))
+        metrics = {k: v for k, v in row.items() if isinstance(v, (int, float))}
+        ckpt = self.ckpts.commit(tmp, step, {"consumed_prompts": position, "metrics": metrics}, config_yaml)
+        row["timing/checkpoint"] = time.perf_counter() - t
+        log(f"checkpoint {ckpt.path} ({row['timing/checkpoint']:.1f}s)")
+
+
+def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event | None = None) -> dict:
+    grpo = GrpoRun(cfg, plan, ctx, stop)
+    try:
+        grpo.start()
+        return grpo.run()
+    finally:
+        grpo.shutdown()

@@ -1,0 +1,127 @@
+"""Per-step metrics: JSONL (the record), TensorBoard, wandb when configured, a terminal line per
+step, and at the end a reward/agreement plot and a summary table in the run directory.
+
+On resume, lines of steps after the resumed checkpoint (written by the interrupted run after its
+last checkpoint) are dropped, so metrics.jsonl has exactly one line per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from launcher.config.schema import Logging
+
+
+def read(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, cfg: Logging, total_steps: int, resumed_step: int = 0):
+        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        self.total = total_steps
+        self.t0 = time.time()
+        kept = [r for r in read(self.path) if r["step"] <= resumed_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_step + 1)
+        self.wandb = None
+        if cfg.wandb_project:
+            import wandb  # installed by the user who configures it
+
+            self.wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=run_dir.name,
+                                    dir=str(run_dir), resume="allow", id=run_dir.name)
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)):
+                if self.tb is not None:
+                    self.tb.add_scalar(k, v, step)
+        if self.tb is not None:
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+        self._progress(step, row)
+
+    def _progress(self, step: int, row: dict) -> None:
+        width = 24
+        filled = int(width * step / max(self.total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        print(f"[{bar}] step {step}/{self.total}  reward {row.get('train/reward', float('nan')):.3f}  "
+              f"loss {row.get('train/loss', float('nan')):+.4f}  gen_kl_error "
+              f"{row.get('train/gen_kl_error', float('nan')):.2e}  step {row.get('timing/total_step', 0):.1f}s  "
+              f"refit {row.get('timing/transfer_and_update_weights', 0):.2f}s", flush=True, file=sys.stdout)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def summary(rows: list[dict]) -> str:
+    """The table printed at the end of a run."""
+    if not rows:
+        return "no steps recorded"
+    first, last = rows[0], rows[-1]
+    k = max(1, min(3, len(rows) // 3))
+    start = sum(r["train/reward"] for r in rows[:k]) / k
+    end = sum(r["train/reward"] for r in rows[-k:]) / k
+    mean = lambda key: sum(float(r.get(key, 0.0)) for r in rows) / len(rows)  # noqa: E731
+    lines = [
+        f"{'steps':<34} {first['step']} -> {last['step']}",
+        f"{'reward (first -> last ' + str(k) + ' steps)':<34} {start:.3f} -> {end:.3f}",
+        f"{'max gen_kl_error':<34} {max(float(r['train/gen_kl_error']) for r in rows):.3e}",
+        f"{'max token_mult_prob_error':<34} {max(float(r['train/token_mult_prob_error']) for r in rows):.6f}",
+        f"{'seconds per step (mean)':<34} {mean('timing/total_step'):.2f}",
+        f"{'seconds per refit (mean)':<34} {mean('timing/transfer_and_update_weights'):.3f}",
+        f"{'bytes per refit':<34} {int(mean('refit/bytes')):,}",
+    ]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> Path | None:
+    """reward and train-vs-generation agreement per step, as a PNG."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(steps, [r["train/reward"] for r in rows], marker="o")
+    a.set(xlabel="step", ylabel="mean reward", title="reward")
+    a.grid(alpha=0.3)
+    b.semilogy(steps, [max(float(r["train/gen_kl_error"]), 1e-18) for r in rows], marker="o", label="gen_kl_error")
+    b.semilogy(steps, [max(float(r["train/token_mult_prob_error"]) - 1.0, 1e-18) for r in rows], marker="x",
+               label="token_mult_prob_error - 1")
+    b.set(xlabel="step", title="train vs generation logprobs")
+    b.legend()
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -1,0 +1,61 @@
+"""The run directory: where a run's config, plan, scripts, logs, checkpoints and metrics live.
+
+`<run.root>/<run.name>/` on a filesystem every node sees. It is stable across submissions so that
+`+resume=...` finds the checkpoints; starting a fresh run over existing checkpoints is refused
+(nothing already written is lost).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher import plan as plan_mod
+from launcher.config import compose as config_mod
+from launcher.config.compose import ConfigError
+from launcher.config.schema import Config
+from launcher.job import sbatch
+from launcher.paths import checkpoint_dirs
+
+
+def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
+    """The config as saved in the run: run.root made absolute, so the job does not depend on a cwd."""
+    out = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
+    out.run.root = str(run_dir.parent)
+    out.dry_run = False
+    return out
+
+
+def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, spec: sbatch.JobSpec | None) -> None:
+    """Check the run directory may be used, then write config.yaml, plan.txt and ray_job.sbatch."""
+    ckpts = checkpoint_dirs(cfg, run_dir)
+    if cfg.resume is not None:
+        from launcher.driver.checkpoints import CheckpointManager, check_compatible
+
+        ckpt = CheckpointManager(ckpts, cfg.checkpointing).resolve(cfg.resume)  # a one-line error if unusable
+        check_compatible(ckpt.path, cfg)
+    existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
+    if existing and cfg.resume is None:
+        raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "
+                                      f"continue it with +resume=latest, or start fresh with run.name=<new name>")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+    except OSError as e:
+        raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
+    config_mod.save(resolved(raw, run_dir), run_dir / "config.yaml")
+    (run_dir / "plan.txt").write_text(plan.describe() + "\n")
+    if spec is not None:
+        script = run_dir / "ray_job.sbatch"
+        script.write_text(sbatch.render(spec, plan, run_dir))
+        script.chmod(0o755)
+
+
+def record_submission(run_dir: Path, job_id: str) -> None:
+    with open(run_dir / "submissions.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job_id": job_id,
+                            "argv": sys.argv[1:]}) + "\n")

@@ -1,0 +1,111 @@
+"""Every signal the job reacts to, and the one stop event the driver watches.
+
+- The driver runs in a thread (cluster.bootstrap.run_driver); the main thread takes the signals
+  and sets `stop` on the running driver, which ends at its next step boundary after a checkpoint.
+- Slurm's preemption warning (SIGTERM), the time-limit warning (USR2 with plain sbatch; submitit
+  takes USR2 itself and calls JobTask.checkpoint), Ctrl-C on a local run (twice: stop now).
+- Slurm signals every process of the job: Ray's daemons block the job's signals (the mask is set
+  in the child before exec and inherited), actors and worker tasks ignore them, so only the
+  bootstrap of node 0 reacts, and Ray is stopped by PID afterwards.
+- A stopped plain-sbatch job, or a failed one with restarts left, requeues itself (`requeue`).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
+def _say(msg: str) -> None:  # the launcher's log line format (cluster.context.log), without importing it
+    print(f"[launcher {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@dataclass
+class RunningDriver:
+    stop: threading.Event
+    thread: threading.Thread
+
+
+CURRENT: RunningDriver | None = None  # the driver running in this process, for signal handlers
+
+
+def block_job_signals() -> None:
+    """preexec_fn of a Ray node's process tree: Ray's daemons and workers would otherwise shut down
+    (or die: USR2's default action) in the middle of the step that is being checkpointed."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+
+
+def ignore_job_signals() -> None:
+    """A worker task (or an actor) must outlive the checkpoint; it stops when the head says done."""
+    for sig in JOB_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def request_stop(why: str) -> bool:
+    """Ask the running driver to stop after its current step; False if none runs (or already asked)."""
+    running = CURRENT
+    if running is None or running.stop.is_set():
+        return False
+    _say(why)
+    running.stop.set()
+    return True
+
+
+def _on_job_signal(signum, frame) -> None:
+    request_stop(f"{signal.Signals(signum).name}: stopping after the current step (a checkpoint is saved first)")
+
+
+def _on_sigint(signum, frame) -> None:
+    if CURRENT is None or CURRENT.stop.is_set():
+        raise KeyboardInterrupt  # the second Ctrl-C: stop now
+    print("\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again to stop now)",
+          flush=True)
+    CURRENT.stop.set()
+
+
+def job_handlers(plain_sbatch: bool) -> dict:
+    """Slurm task 0: SIGTERM (preemption) stops after a checkpoint; under plain sbatch USR2 (the
+    time-limit warning, #SBATCH --signal=USR2@...) too - under submitit, submitit's handler has it."""
+    handlers = {signal.SIGTERM: _on_job_signal}
+    if plain_sbatch:
+        handlers[signal.SIGUSR2] = _on_job_signal
+    return handlers
+
+
+def local_handlers() -> dict:
+    return {signal.SIGINT: _on_sigint}
+
+
+@contextmanager
+def running(target: Callable[[threading.Event], None], handlers: dict) -> Iterator[RunningDriver]:
+    """Start `target(stop)` in the driver thread with `handlers` installed (after ray.init, which
+    installs its own: a SIGTERM would then abort the process instead of letting it checkpoint)."""
+    global CURRENT
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    stop = threading.Event()
+    CURRENT = RunningDriver(stop, threading.Thread(target=lambda: target(stop), name="driver", daemon=True))
+    CURRENT.thread.start()
+    try:
+        yield CURRENT
+    finally:
+        CURRENT = None
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_and_wait(budget_s: float) -> None:
+    """submitit's checkpoint hook on USR2: stop the driver at the end of its step, wait for the save."""
+    running_now = CURRENT
+    if running_now is not None and request_stop("USR2: checkpointing at the end of this step, then requeueing"):
+        running_now.thread.join(timeout=budget_s)
+
+
+def requeue(job_id: str) -> None:
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)

@@ -1,0 +1,202 @@
+"""The vLLM generation actor: one engine, sampling with per-request seeds, and refit on request.
+
+`VllmGenerator` is a plain class; GeneratorGroup turns it into Ray actors. One instance holds one
+vLLM engine whose engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+  cpu   distributed_executor_backend="uni", enforce_eager, a small kv_cache_memory_bytes: starts
+        in seconds, ~1 GB, and the worker runs in this process, so refit buckets reach it by
+        reference.
+  cuda  the same class with tensor_parallel_size=tensor_parallel; more than one GPU uses vLLM's
+        ray executor, whose workers may span nodes (the reference recipe: one engine, TP 8 on
+        two nodes). Written for GPUs, not runnable on this machine.
+
+Sampling: every request gets its own SamplingParams(seed=...), so what a request samples does
+not depend on the batch it shares or the engine's history. The returned logprobs are the
+engine's logprobs of the sampled tokens (vLLM `logprobs=0`); `logprobs_mode` picks raw (the
+model's distribution, what the trainer computes; default) or processed (after temperature/top-p).
+
+Refit: `apply_refit` passes the payload to every vLLM worker (`workers.refit.vllm_extension`), then, in
+adapter mode, registers the new adapter under a new id, and always resets the prefix cache: a
+cached prefix holds keys/values computed with the old weights, and reusing them after a refit
+gives wrong tokens for any prompt longer than one block.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Sequence
+
+EXTENSION = "workers.refit.vllm_extension.RefitWorkerExtension"
+_GROUP_ONLY_KEYS = ("nodes", "ranks_per_node", "engines")  # topology.generation keys the group uses
+
+
+@dataclass
+class GeneratorConfig:
+    """One engine. Field names are the config keys: `vllm:` and `topology.generation.tensor_parallel`."""
+
+    model: str                                # HF checkpoint directory
+    device: str = "cpu"                       # cpu | cuda
+    dtype: str = "float32"
+    max_model_len: int = 512
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.6       # cuda only
+    kv_cache_memory_bytes: int = 64 * 2**20   # cpu only: small KV cache, fast start
+    max_lora_rank: int = 16                   # adapter refit
+    tensor_parallel: int = 1
+    enable_lora: bool = False                 # True for refit.mode=adapter
+    seed: int = 0
+    logprobs_mode: str = "raw_logprobs"       # raw_logprobs | processed_logprobs
+    adapter_dir: str | None = None            # node-local dir for adapter refits; None: a temp dir
+
+    @classmethod
+    def from_sections(cls, model: str, vllm: Mapping[str, Any], generation: Mapping[str, Any] | None = None,
+                      *, device: str = "cpu", refit_mode: str = "merged", seed: int = 0) -> "GeneratorConfig":
+        """From the plain `vllm:` and `topology.generation:` config sections."""
+        known = {f.name for f in fields(cls)}
+        values = dict(vllm)
+        for key, value in (generation or {}).items():
+            if key not in _GROUP_ONLY_KEYS:
+                values[key] = value
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"GeneratorConfig: unknown keys {unknown}")
+        return cls(model=str(model), device=device, enable_lora=(refit_mode == "adapter"), seed=seed, **values)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of vllm.LLM for this config."""
+        kw: dict[str, Any] = dict(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+                                  enforce_eager=self.enforce_eager, seed=self.seed,
+                                  logprobs_mode=self.logprobs_mode, worker_extension_cls=EXTENSION)
+        if self.device == "cpu":
+            kw.update(distributed_executor_backend="uni", kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+        else:
+            kw.update(tensor_parallel_size=self.tensor_parallel, gpu_memory_utilization=self.gpu_memory_utilization)
+            if self.tensor_parallel > 1:
+                kw["distributed_executor_backend"] = "ray"  # workers may live on other nodes
+        if self.enable_lora:
+            kw.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
+        return kw
+
+
+@dataclass
+class Generation:
+    """One request's result: the sampled tokens with the engine's logprob of each."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+class VllmGenerator:
+    """One vLLM engine (use as a Ray actor: ray.remote(VllmGenerator).options(...).remote(config))."""
+
+    def __init__(self, config: GeneratorConfig | Mapping[str, Any]):
+        if not isinstance(config, GeneratorConfig):
+            config = GeneratorConfig(**config)
+        if config.device == "cpu" and config.tensor_parallel != 1:
+            raise ValueError("vLLM on CPU runs one in-process worker: tensor_parallel must be 1")
+        # The engine core runs in this process on every device: collective_rpc then hands refit
+        # specs to the executor as Python objects (uni: by reference; ray executor: pickled, so the
+        # object-store refs of the ray transport survive), never through vLLM's msgpack IPC.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
+        self.config = config
+        t0 = time.perf_counter()
+        from vllm import LLM
+
+        self.llm = LLM(**config.engine_kwargs())
+        self.start_seconds = time.perf_counter() - t0
+        self._lora_request = None
+        self._adapter_id = 0
+        self._adapter_root = config.adapter_dir or os.path.join(tempfile.gettempdir(), "vllm_refit_adapters",
+                                                                uuid.uuid4().hex[:12])
+        self.transport = "ray"
+
+    def info(self) -> dict:
+        import socket
+
+        return {"pid": os.getpid(), "hostname": socket.gethostname(), "start_seconds": self.start_seconds,
+                "model": self.config.model,
+                "device": self.config.device, "enable_lora": self.config.enable_lora,
+                "adapter_id": self._adapter_id}
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], temperature: float = 1.0, top_p: float = 1.0,
+                 max_tokens: int = 16, seeds: Sequence[int] | None = None, ignore_eos: bool = False,
+                 ) -> list[Generation]:
+        """Sample one completion per prompt; seeds (one per prompt) make each request reproducible."""
+        from vllm import SamplingParams
+
+        if seeds is not None and len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts")
+        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                 ignore_eos=ignore_eos, seed=None if seeds is None else int(seeds[i]))
+                  for i in range(len(prompt_token_ids))]
+        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        results = []
+        for out in outputs:
+            c = out.outputs[0]
+            token_ids = list(c.token_ids)
+            logprobs = [step[tok].logprob for step, tok in zip(c.logprobs or [], token_ids)]
+            results.append(Generation(token_ids, c.text, logprobs, c.finish_reason))
+        return results
+
+    # ------------------------------------------------------------------ refit
+    def open_refit_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
+                         timeout_s: float = 600.0) -> list[int]:
+        """Join trainer rank 0's broadcast group (every vLLM worker of this engine joins)."""
+        ranks = self.llm.collective_rpc("refit_open_group",
+                                        args=(host, port, world_size, rank_offset, backend, timeout_s))
+        self.transport = "broadcast"
+        return ranks
+
+    def num_workers(self) -> int:
+        return self.config.tensor_parallel if self.config.device != "cpu" else 1
+
+    def apply_refit(self, payload, *, reset_prefix_cache: bool = True) -> dict:
+        """Apply one refit (a refit.RefitPayload) to every worker of this engine.
+
+        reset_prefix_cache=False exists only for the test that proves the reset is needed.
+        """
+        t0 = time.perf_counter()
+        spec = payload.to_spec()
+        if payload.mode == "adapter":
+            if not self.config.enable_lora:
+                raise RuntimeError("adapter refit needs an engine started with enable_lora (refit.mode=adapter)")
+            self._adapter_id += 1
+            spec["adapter_dir"] = os.path.join(self._adapter_root, f"v{self._adapter_id}")
+        results = self.llm.collective_rpc("refit_apply", args=(spec,))
+        if payload.mode == "adapter":
+            self._swap_adapter(spec["adapter_dir"])
+        elif self._lora_request is not None:  # weights refit on a LoRA engine: serve the new weights
+            self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+            self._lora_request = None
+        if reset_prefix_cache:
+            self.llm.reset_prefix_cache()
+        return {"seconds": time.perf_counter() - t0, "bytes": results[0]["bytes"],
+                "buckets": results[0]["buckets"], "layouts_fetched": sum(r["layout_received"] for r in results),
+                "workers": results}
+
+    def _swap_adapter(self, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        new = LoRARequest(f"refit-{self._adapter_id}", self._adapter_id, path)
+        if self._lora_request is not None:
+            self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+        self.llm.llm_engine.add_lora(new)  # load now: the refit time includes it, errors surface here
+        self._lora_request = new
+
+    # ------------------------------------------------------------------ test support
+    def refit_record(self, on: bool) -> None:
+        self.llm.collective_rpc("refit_record", args=(on,))
+
+    def refit_recorded(self) -> dict:
+        return self.llm.collective_rpc("refit_recorded")[0]
+
+    def shutdown(self) -> None:
+        llm, self.llm = self.llm, None
+        del llm

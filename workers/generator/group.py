@@ -1,0 +1,109 @@
+"""Driver side of generation: N VllmGenerator actors, requests split across them, order kept.
+
+`GeneratorGroup(config, actor_options)` starts one actor per `.options()` dict (the placement
+plan gives one per engine, e.g. {"resources": {"generation_slot": 1, "node_1": 1}, "num_cpus": 1}).
+`generate` cuts the prompts (and their seeds) into contiguous, nearly equal slices, one per
+engine, runs them concurrently and concatenates the results, so result i belongs to prompt i.
+`apply_refit` hands the same payload to every engine; `open_refit_group` makes every vLLM worker
+join trainer rank 0's broadcast group (ranks 1.. in engine order).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from workers.generator.actor import Generation, GeneratorConfig, VllmGenerator
+
+
+def split_evenly(n: int, parts: int) -> list[slice]:
+    """Contiguous slices of range(n), sizes differing by at most one, earlier slices larger."""
+    base, extra = divmod(n, parts)
+    slices, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        slices.append(slice(start, stop))
+        start = stop
+    return slices
+
+
+class GeneratorGroup:
+    def __init__(self, config: GeneratorConfig | Mapping[str, Any], actor_options: Sequence[Mapping[str, Any]],
+                 ready_timeout_s: float | None = None):
+        """Starts the engines and waits until all are up (at most ready_timeout_s, e.g. when the
+        cluster lacks the resources the options ask for; None waits forever)."""
+        import ray
+
+        if not actor_options:
+            raise ValueError("GeneratorGroup needs one .options() dict per engine")
+        self.config = config if isinstance(config, GeneratorConfig) else GeneratorConfig(**config)
+        actor_cls = ray.remote(VllmGenerator)
+        self.actors = [actor_cls.options(**dict(opts)).remote(self.config) for opts in actor_options]
+        try:
+            self.infos = ray.get([a.info.remote() for a in self.actors], timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise TimeoutError(f"vLLM engines not up after {ready_timeout_s}s; options asked for: "
+                               f"{list(actor_options)}; cluster has {ray.available_resources()}") from None
+        self.transport = "ray"
+
+    @property
+    def engines(self) -> int:
+        return len(self.actors)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], temperature: float = 1.0, top_p: float = 1.0,
+                 max_tokens: int = 16, seeds: Sequence[int] | None = None, ignore_eos: bool = False,
+                 ) -> list[Generation]:
+        import ray
+
+        if seeds is not None and len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts")
+        refs = []
+        for actor, part in zip(self.actors, split_evenly(len(prompt_token_ids), self.engines)):
+            if part.start == part.stop:
+                continue
+            refs.append(actor.generate.remote(list(prompt_token_ids[part]), temperature, top_p, max_tokens,
+                                              None if seeds is None else list(seeds[part]), ignore_eos))
+        return [g for chunk in ray.get(refs) for g in chunk]
+
+    def apply_refit(self, payload, **kwargs) -> dict:
+        """Every engine applies `payload`; seconds is the slowest engine's."""
+        import ray
+
+        results = ray.get([a.apply_refit.remote(payload, **kwargs) for a in self.actors])
+        return {"seconds": max(r["seconds"] for r in results), "bytes": results[0]["bytes"],
+                "buckets": results[0]["buckets"], "layouts_fetched": sum(r["layouts_fetched"] for r in results),
+                "engines": results}
+
+    def num_workers(self) -> int:
+        import ray
+
+        return sum(ray.get([a.num_workers.remote() for a in self.actors]))
+
+    def open_refit_group(self, host: str, port: int, backend: str, rank_offset: int = 1,
+                         timeout_s: float = 600.0) -> tuple[int, list]:
+        """Start joining the broadcast group: returns (world_size, ObjectRefs). Wait on the refs
+        together with rank 0's open_sender_group(host, port, world_size, backend): the rendezvous
+        blocks every member (and each engine actor) until all ranks have arrived."""
+        import ray
+
+        counts = ray.get([a.num_workers.remote() for a in self.actors])
+        world_size = rank_offset + sum(counts)
+        refs, offset = [], rank_offset
+        for actor, count in zip(self.actors, counts):
+            refs.append(actor.open_refit_group.remote(host, port, world_size, offset, backend, timeout_s))
+            offset += count
+        self.transport = "broadcast"
+        return world_size, refs
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Run a VllmGenerator method on every engine (tests, diagnostics)."""
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
