@@ -10,58 +10,20 @@ after a checkpoint, so no step is lost or repeated.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
-from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
 from launcher import plan as plan_mod
-from launcher.cluster.context import ClusterError, JobContext, doing, log
+from launcher.cluster.context import JobContext, log
 from launcher.config.schema import Config
 from launcher.driver import advantages, data, models
 from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
+from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary
+from launcher.driver.rollout import build_batch, sample
 from launcher.paths import checkpoint_dirs
-
-
-class StepFailed(ClusterError):
-    """A step could not finish: names the role, rank, node and phase."""
-
-
-def request_seed(run_seed: int, step: int, prompt: int, sample: int) -> int:
-    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt}:{sample}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
-
-
-@dataclass
-class Rollout:
-    """What one step sampled, in request order (prompt-major: p0 s0, p0 s1, ..., p1 s0, ...)."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    generation_logprobs: list[list[float]]
-    rewards: list[float]
-    texts: list[str] = field(default_factory=list)
-
-
-def build_batch(r: Rollout, adv: list[float], pad_id: int) -> dict:
-    """docs/architecture.md's batch: prompt + response right-padded; value at t = log p(x_t | x_<t)."""
-    import torch
-
-    lengths = [len(p) + len(s) for p, s in zip(r.prompt_ids, r.response_ids)]
-    T = max(lengths)
-    B = len(lengths)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((B, T), dtype=torch.float32)
-    gen_lp = torch.zeros((B, T), dtype=torch.float32)
-    for i, (p, s, lp) in enumerate(zip(r.prompt_ids, r.response_ids, r.generation_logprobs)):
-        input_ids[i, : len(p) + len(s)] = torch.tensor(p + s, dtype=torch.long)
-        loss_mask[i, len(p): len(p) + len(s)] = 1.0
-        gen_lp[i, len(p): len(p) + len(s)] = torch.tensor(lp, dtype=torch.float32)
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "generation_logprobs": gen_lp,
-            "advantages": torch.tensor(adv, dtype=torch.float32)}
 
 
 class GrpoRun:
@@ -135,29 +97,6 @@ class GrpoRun:
         return {"timing/transfer_and_update_weights": report.transfer_and_update_weights_s,
                 "refit/bytes": report.bytes, "refit/tensors": report.tensors}
 
-    def encode_prompt(self, text: str) -> list[int]:
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True))
-        return list(tok(text)["input_ids"])
-
-    def rollout(self, step: int, position: int) -> tuple[Rollout, list]:
-        g = self.cfg.grpo
-        examples = self.dataset.take(position, g.num_prompts_per_step)
-        prompts, seeds, targets = [], [], []
-        for i, ex in enumerate(examples):
-            ids = self.encode_prompt(ex.prompt)
-            for j in range(g.num_generations_per_prompt):
-                prompts.append(ids)
-                seeds.append(request_seed(self.cfg.run.seed, step, i, j))
-                targets.append(ex.target)
-        outs = self.generators.generate(prompts, temperature=g.temperature, top_p=g.top_p,
-                                        max_tokens=g.max_new_tokens, seeds=seeds)
-        rewards = [self.reward_fn(o.text, t) for o, t in zip(outs, targets)]
-        return Rollout(prompts, [o.token_ids for o in outs], [o.logprobs for o in outs], rewards,
-                       [o.text for o in outs]), examples
-
     def train_step(self, step: int, position: int) -> dict:
         from launcher.driver.agreement import agreement_metrics
 
@@ -165,7 +104,8 @@ class GrpoRun:
         m: dict = {}
         t = time.perf_counter()
         self.phase("generation")
-        rollout, _ = self.rollout(step, position)
+        examples = self.dataset.take(position, g.num_prompts_per_step)
+        rollout = sample(self.cfg, self.generators, self.tokenizer, examples, step, self.reward_fn)
         m["timing/generation"] = time.perf_counter() - t
         adv = advantages.compute(rollout.rewards, g)
         batch = build_batch(rollout, adv, self.tokenizer.pad_token_id or 0)
@@ -223,7 +163,7 @@ class GrpoRun:
                 except StepFailed:
                     raise
                 except Exception as e:  # noqa: BLE001 - named and re-raised
-                    raise StepFailed(self.describe(e)) from e
+                    raise StepFailed(describe(e, self.ctx, self.plan, self.trainers, self.generators)) from e
                 metrics.log(step, row)
             if step != last_saved and self.cfg.checkpointing.enabled:
                 self.save(step, position, {}, config_yaml)
@@ -236,45 +176,6 @@ class GrpoRun:
         stopped = self.stop.is_set() and step < g.max_num_steps
         log(("stopped" if stopped else "finished") + f" at step {step}/{g.max_num_steps}\n" + table)
         return {"step": step, "stopped": stopped}
-
-    def actors(self) -> dict[str, str]:
-        """Ray actor id -> 'trainer rank 1 on node2 (pid 123)' for every actor of the run."""
-        names = {}
-        for r, actor in enumerate(getattr(self.trainers, "actors", [])):
-            pid = self.trainers.infos[r]["pid"] if getattr(self.trainers, "infos", None) else "?"
-            names[actor._actor_id.hex()] = f"trainer rank {r} on {self.ctx.hostnames[self.plan.trainer_node(r)]} (pid {pid})"
-        for e, actor in enumerate(getattr(self.generators, "actors", [])):
-            pid = self.generators.infos[e].get("pid", "?") if getattr(self.generators, "infos", None) else "?"
-            names[actor._actor_id.hex()] = f"vLLM engine {e} on {self.ctx.hostnames[self.plan.engine_nodes(e)[0]]} (pid {pid})"
-        return names
-
-    def describe(self, e: BaseException) -> str:
-        """One line: which actor failed, how, and in which phase of which step."""
-        import ray
-
-        cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, ray.exceptions.RayActorError):
-            cause = cause.__cause__ or cause.__context__
-        first = (str(cause or e).strip().splitlines() or [type(e).__name__])[0]
-        if isinstance(cause, ray.exceptions.RayActorError):
-            who = self.actors().get(getattr(cause, "actor_id", None) or "", "an actor")
-            return f"{who} died{doing(self.ctx)}: {first}{self.lost_node()}"
-        return f"{type(e).__name__}{doing(self.ctx)}: {first}"
-
-    def lost_node(self, wait_s: float = 5.0) -> str:
-        """'; node 2 (node3, generation) left the Ray cluster: ...' when an actor died with its node
-        (its bootstrap reports the node within a second or two), else ''."""
-        from launcher.cluster.context import check_nodes
-
-        deadline = time.time() + wait_s
-        while True:
-            try:
-                check_nodes(self.ctx, self.plan)
-            except ClusterError as e:
-                return f"; {str(e).replace(doing(self.ctx), '')}"
-            if time.time() > deadline:
-                return ""
-            time.sleep(0.5)
 
     def check_disk(self, step: int) -> None:
         """Refuse to start a save that cannot fit: estimated from the last checkpoint's size (or the

@@ -1,0 +1,56 @@
+"""Failures during a run, said in one line: which actor (role, rank, node, pid) died, in which
+phase of which step, and whether its node left the cluster with it."""
+
+from __future__ import annotations
+
+import time
+
+from launcher import plan as plan_mod
+from launcher.cluster.context import ClusterError, JobContext, check_nodes, doing
+
+
+class StepFailed(ClusterError):
+    """A step could not finish: names the role, rank, node and phase."""
+
+
+def actor_names(ctx: JobContext, plan: plan_mod.Plan, trainers, generators) -> dict[str, str]:
+    """Ray actor id -> 'trainer rank 1 on node2 (pid 123)' for every actor of the run.
+
+    `ActorHandle._actor_id` is private Ray API, but it is what RayActorError.actor_id names (a hex
+    string); Ray offers no public handle -> id mapping on the driver side."""
+    names = {}
+    for r, actor in enumerate(getattr(trainers, "actors", [])):
+        pid = trainers.infos[r]["pid"] if getattr(trainers, "infos", None) else "?"
+        names[actor._actor_id.hex()] = f"trainer rank {r} on {ctx.hostnames[plan.trainer_node(r)]} (pid {pid})"
+    for e, actor in enumerate(getattr(generators, "actors", [])):
+        pid = generators.infos[e].get("pid", "?") if getattr(generators, "infos", None) else "?"
+        names[actor._actor_id.hex()] = f"vLLM engine {e} on {ctx.hostnames[plan.engine_nodes(e)[0]]} (pid {pid})"
+    return names
+
+
+def describe(e: BaseException, ctx: JobContext, plan: plan_mod.Plan, trainers, generators) -> str:
+    """One line: which actor failed, how, and in which phase of which step."""
+    import ray
+
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, ray.exceptions.RayActorError):
+        cause = cause.__cause__ or cause.__context__
+    first = (str(cause or e).strip().splitlines() or [type(e).__name__])[0]
+    if isinstance(cause, ray.exceptions.RayActorError):
+        who = actor_names(ctx, plan, trainers, generators).get(getattr(cause, "actor_id", None) or "", "an actor")
+        return f"{who} died{doing(ctx)}: {first}{lost_node(ctx, plan)}"
+    return f"{type(e).__name__}{doing(ctx)}: {first}"
+
+
+def lost_node(ctx: JobContext, plan: plan_mod.Plan, wait_s: float = 5.0) -> str:
+    """'; node 2 (node3, generation) left the Ray cluster: ...' when an actor died with its node
+    (its bootstrap reports the node within a second or two), else ''."""
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            check_nodes(ctx, plan)
+        except ClusterError as e:
+            return f"; {str(e).replace(doing(ctx), '')}"
+        if time.time() > deadline:
+            return ""
+        time.sleep(0.5)
