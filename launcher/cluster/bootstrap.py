@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +30,7 @@ from launcher.cluster.ray_node import (auth_env, connect, disconnect, fatal_ray_
                                        resolve_ip, start_ray, stop_process_tree, tail, wait_for_nodes, wait_port,
                                        write_json)
 from launcher.config import compose as config_mod
-from launcher.config.schema import Config, typed
+from launcher.config.schema import Config
 from launcher.job import stop
 from launcher.paths import checkpoint_dirs
 
@@ -44,7 +42,7 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
     plain sbatch (`plain_sbatch`), USR2 and SIGTERM both stop the driver after a checkpoint and the
     job requeues itself with scontrol."""
     run_dir = Path(run_dir).resolve()
-    cfg = typed(config_mod.load(run_dir / "config.yaml"))
+    cfg = config_mod.load_typed(run_dir / "config.yaml")
     plan = plan_mod.build(cfg.topology)
     ctx = JobContext.from_slurm(run_dir)
     if len(ctx.hostnames) != len(plan.nodes):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config.schema import ConfigError  # noqa: F401 - re-exported: the CLI's error type
+from launcher.config.schema import Config, ConfigError, typed  # ConfigError: the CLI's error type
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("topology", "model", "peft", "grpo", "optim", "refit", "checkpointing", "slurm")
@@ -111,3 +111,8 @@ def load(path: Path) -> DictConfig:
     if not path.is_file():
         raise ConfigError(str(path), "no resolved config here (is this a run directory?)")
     return OmegaConf.load(path)
+
+
+def load_typed(path: Path) -> Config:
+    """A saved config.yaml (a run's or a checkpoint's) as the typed Config."""
+    return typed(load(path))

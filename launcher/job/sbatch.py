@@ -96,7 +96,10 @@ def submitit_command(python: str, folder: Path) -> str:
 
 
 def submitit_script(spec: JobSpec, folder: Path) -> str:
-    """The exact sbatch text submitit would write for this job (no Slurm contacted)."""
+    """The exact sbatch text submitit would write for this job (no Slurm contacted).
+
+    `_make_sbatch_string` is submitit's private renderer, but it is the very function
+    SlurmExecutor.submit uses: the dry run shows what would be submitted, not an imitation."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     return _make_sbatch_string(command=submitit_command(spec.python, folder), folder=folder,

@@ -38,10 +38,9 @@ class JobTask(submitit.helpers.Checkpointable):
 
 def _budget_s(run_dir: str) -> float:
     """Time to finish the step and save: the signal's lead on the kill, less a margin to requeue."""
-    from launcher.config import compose as config_mod
-    from launcher.config.schema import typed
+    from launcher.config.compose import load_typed
 
-    cfg = typed(config_mod.load(Path(run_dir) / "config.yaml"))
+    cfg = load_typed(Path(run_dir) / "config.yaml")
     return max(5.0, cfg.slurm.signal_delay_s - 15.0)
 
 
