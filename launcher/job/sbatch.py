@@ -1,6 +1,6 @@
 """What the job asks Slurm for, in one place: submitit's parameters and the sbatch template.
 
-`job_spec(cfg, plan, run_dir)` turns the config into the job's Slurm request and rejects any value
+`job_spec(cfg, plan)` turns the config into the job's Slurm request and rejects any value
 that would break a script (newline, NUL, unbalanced quote). From that one spec come
 `submitit_parameters` (what the launcher submits), `submitit_script` (the exact text submitit
 writes, for the dry run) and `render` (sbatch/ray_job.sbatch.j2, for people who use sbatch).
