@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             for e in errors:
                 print(f"error: {e}", file=sys.stderr)
             return 2
+        paths.absolute_config(cfg)  # every path absolute, once, before anything reads it
         plan = plan_mod.build(cfg.topology)
         run_dir = paths.run_dir(cfg)
         spec = sbatch.job_spec(cfg, plan) if cfg.topology.executor == "slurm" else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from launcher import paths
 from launcher import plan as plan_mod
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
@@ -36,6 +37,7 @@ JOBS = ("grpo", "placement_smoke", "hold")
 
 def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs = plan_mod.check(cfg.topology)
+    errs += _paths(cfg)
     errs += _model(cfg, submitting)
     errs += _parallel_vs_model(cfg)
     errs += _peft(cfg)
@@ -55,6 +57,15 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     return errs
 
 
+def _paths(cfg: Config) -> list[ConfigError]:
+    errs = [paths.run_name_error(cfg.run.name)]
+    errs += [paths.path_error(key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]))
+             for key in paths.PATH_KEYS]
+    if cfg.resume is not None and not paths.RESUME_WORDS.match(cfg.resume):
+        errs.append(paths.path_error("resume", cfg.resume))
+    return [e for e in errs if e is not None]
+
+
 def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
     m = cfg.model
     errs = []
@@ -68,7 +79,7 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
         if m.builtin not in RECIPES:
             errs.append(ConfigError("model.builtin", f"with model.path null, must be a built-in recipe: "
                                                      f"{', '.join(sorted(RECIPES))}; got {m.builtin!r}"))
-    elif submitting or Path(m.path).exists():
+    elif submitting or paths.model_dir(cfg).exists():
         errs += _model_dir(cfg)
     if m.num_attention_heads % max(m.num_query_groups, 1):
         errs.append(ConfigError("model.num_query_groups", f"must divide num_attention_heads = "
@@ -79,7 +90,7 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
 def _model_dir(cfg: Config) -> list[ConfigError]:
     """A local HF checkpoint: it exists and its config.json agrees with the architecture facts."""
     m = cfg.model
-    path = Path(m.path)
+    path = paths.model_dir(cfg)
     cfg_file = path / "config.json"
     if not path.is_dir():
         return [ConfigError("model.path", f"{m.path} is not a directory (a local HF checkpoint is needed)")]

@@ -19,12 +19,15 @@ from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
 from launcher.job import sbatch
+from launcher import paths
 from launcher.paths import checkpoint_dirs
 
 
 def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
-    """The config as saved in the run: run.root made absolute, so the job does not depend on a cwd."""
+    """The config as saved in the run: every path absolute (`~` expanded), so the job does not
+    depend on a cwd or a home directory."""
     out = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
+    paths.absolute_config(out)
     out.run.root = str(run_dir.parent)
     out.dry_run = False
     return out
