@@ -21,9 +21,29 @@ from launcher.config.schema import Config
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "ray_job.sbatch.j2"
 _FLAG = re.compile(r"^[a-z][a-z0-9_-]*$")
 
+# sbatch options the launcher sets itself, with the config key to use instead. sbatch accepts any
+# unambiguous prefix of a long option (`--ntasks-per-nod`), so a key that is a prefix of one of
+# these is refused too: extra_sbatch can only add options, never change the job both paths submit.
+MANAGED = {
+    "job-name": "set run.name", "nodes": "set topology.nodes (the plan's node count)",
+    "ntasks": "the job runs one task per node", "ntasks-per-node": "the job runs one task per node",
+    "tasks-per-node": "the job runs one task per node", "gpus-per-node": "set topology.gpus_per_node",
+    "gpus": "set topology.gpus_per_node", "gpus-per-task": "set topology.gpus_per_node",
+    "cpus-per-task": "set topology.cpus_per_node", "time": "set slurm.time_min",
+    "signal": "set slurm.signal_delay_s", "output": "logs go to the run directory",
+    "error": "logs go to the run directory", "open-mode": "logs are appended across requeues",
+    "array": "a run is one job", "chdir": "the job works in the run directory",
+    "export": "set variables with slurm.setup='[export VAR=value]'", "partition": "set slurm.partition",
+    "account": "set slurm.account", "qos": "set slurm.qos", "requeue": "the launcher requeues the job itself",
+    "no-requeue": "set retry.max_restarts=0 and slurm.max_num_timeout=0",
+    "wrap": "the job script is the launcher's", "container-image": "set slurm.container_image",
+    "container-mounts": "set slurm.container_mounts",
+}
+
 
 @dataclass
 class JobSpec:
+    """The job's Slurm request with every value raw (unquoted); each renderer quotes it once."""
     job_name: str
     nodes: int
     gpus_per_node: int
@@ -31,12 +51,17 @@ class JobSpec:
     time_min: int
     signal_delay_s: int
     flags: dict[str, object] = field(default_factory=dict)   # partition, account, qos, extra_sbatch
-    setup: list[str] = field(default_factory=list)
-    srun_args: list[str] = field(default_factory=list)
-    python: str = sys.executable
+    setup: list[str] = field(default_factory=list)           # shell lines, run as written
+    srun_args: list[str] = field(default_factory=list)       # argv words for srun
+    python: str = sys.executable                             # one executable path
+
+    @property
+    def python_q(self) -> str:
+        return shlex.quote(self.python)
 
 
 def _one_line(key: str, value: object) -> str:
+    """`value` as a single line with balanced quotes (setup lines are pasted into the script)."""
     text = str(value)
     for ch, name in (("\n", "a newline"), ("\r", "a carriage return"), ("\0", "a NUL byte")):
         if ch in text:
@@ -48,6 +73,28 @@ def _one_line(key: str, value: object) -> str:
     return text
 
 
+def managed_option(key: str) -> str | None:
+    """The launcher-managed sbatch option that `key` is or abbreviates, else None."""
+    k = key.replace("_", "-")
+    hits = [m for m in MANAGED if m.startswith(k)]
+    return (k if k in MANAGED else min(hits, key=len)) if hits else None
+
+
+def _extra_flag(key: str, value: object) -> tuple[str, object]:
+    where = f"slurm.extra_sbatch.{key}"
+    if not _FLAG.match(str(key)):
+        raise ConfigError(where, "not an sbatch long option name (lower-case letters, digits, - and _)")
+    option = managed_option(str(key))
+    if option is not None:
+        what = "is" if option == str(key).replace("_", "-") else f"abbreviates --{option}, which is"
+        raise ConfigError(where, f"{what} set by the launcher ({MANAGED[option]})")
+    if value is True:
+        return str(key).replace("_", "-"), True
+    if value is False or value is None or isinstance(value, (dict, list)):
+        raise ConfigError(where, f"must be a string, a number or true (a flag), got {value!r}")
+    return str(key).replace("_", "-"), _one_line(where, value)
+
+
 def job_spec(cfg: Config, plan: plan_mod.Plan) -> JobSpec:
     s = cfg.slurm
     flags: dict[str, object] = {}
@@ -55,17 +102,15 @@ def job_spec(cfg: Config, plan: plan_mod.Plan) -> JobSpec:
         if getattr(s, key) is not None:
             flags[key] = _one_line(f"slurm.{key}", getattr(s, key))
     for key, value in s.extra_sbatch.items():
-        if not _FLAG.match(str(key)) or key in ("nodes", "ntasks_per_node", "ntasks-per-node", "output", "signal"):
-            raise ConfigError(f"slurm.extra_sbatch.{key}", "not an sbatch option this launcher lets you set "
-                                                           "(nodes, tasks, output and signal come from the config)")
-        flags[str(key).replace("_", "-")] = True if value is True else _one_line(f"slurm.extra_sbatch.{key}", value)
+        name, value = _extra_flag(str(key), value)
+        flags[name] = value
     srun_args = []
     if s.container_image:
-        srun_args.append("--container-image=" + shlex.quote(_one_line("slurm.container_image", s.container_image)))
+        srun_args.append("--container-image=" + _one_line("slurm.container_image", s.container_image))
     if s.container_mounts:
-        srun_args.append("--container-mounts=" + shlex.quote(_one_line("slurm.container_mounts", s.container_mounts)))
+        srun_args.append("--container-mounts=" + _one_line("slurm.container_mounts", s.container_mounts))
     setup = [_one_line(f"slurm.setup[{i}]", line) for i, line in enumerate(s.setup)]
-    python = _one_line("slurm.python", s.python) if s.python else shlex.quote(sys.executable)
+    python = _one_line("slurm.python", s.python) if s.python else sys.executable
     return JobSpec(job_name=_one_line("run.name", cfg.run.name), nodes=len(plan.nodes),
                    gpus_per_node=cfg.topology.gpus_per_node, cpus_per_task=cfg.topology.cpus_per_node,
                    time_min=s.time_min, signal_delay_s=s.signal_delay_s, flags=flags, setup=setup,
@@ -91,7 +136,8 @@ def submitit_parameters(spec: JobSpec) -> dict:
 
 
 def submitit_command(python: str, folder: Path) -> str:
-    """The command submitit's SlurmExecutor puts after srun (see SlurmExecutor._submitit_command_str)."""
+    """The command submitit's SlurmExecutor puts after srun (see SlurmExecutor._submitit_command_str):
+    `python` is pasted as is, so it is passed already quoted (JobSpec.python_q)."""
     return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
@@ -102,7 +148,7 @@ def submitit_script(spec: JobSpec, folder: Path) -> str:
     SlurmExecutor.submit uses: the dry run shows what would be submitted, not an imitation."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    return _make_sbatch_string(command=submitit_command(spec.python, folder), folder=folder,
+    return _make_sbatch_string(command=submitit_command(spec.python_q, folder), folder=folder,
                                **submitit_parameters(spec))
 
 
@@ -120,4 +166,4 @@ def render(spec: JobSpec, plan: plan_mod.Plan, run_dir: Path, header: str = "") 
         gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task, time_min=spec.time_min,
         slurm_flags=flags, signal_delay_s=spec.signal_delay_s,
         log_q=shlex.quote(str(run_dir / "logs" / "sbatch-%j.out")), setup=spec.setup,
-        srun_args=spec.srun_args, python=spec.python)
+        srun_args=[shlex.quote(a) for a in spec.srun_args], python=spec.python_q)

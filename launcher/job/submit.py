@@ -51,7 +51,7 @@ def submitit_folder(run_dir: Path) -> Path:
 def submit_slurm(cfg: Config, plan: plan_mod.Plan, run_dir: Path) -> submitit.Job:
     spec = sbatch.job_spec(cfg, plan)
     executor = submitit.SlurmExecutor(folder=submitit_folder(run_dir), max_num_timeout=cfg.slurm.max_num_timeout,
-                                      python=spec.python)
+                                      python=spec.python_q)
     executor.update_parameters(**sbatch.submitit_parameters(spec))
     return executor.submit(JobTask(str(run_dir)))
 

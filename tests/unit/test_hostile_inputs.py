@@ -69,6 +69,26 @@ CASES = [
          "checkpointing.dir: must not contain '%'"),
     Case("ckdir-empty", ["checkpointing.dir=''", "submit=false", *SLURM], 2, "checkpointing.dir: is empty"),
     Case("resume-missing-relative", ["+resume=../nowhere", "submit=false", *SLURM], 2, "resume: "),
+    # 5: Slurm option strings: options the launcher manages cannot be set through extra_sbatch
+    *[Case(f"extra-{k}", [f"+slurm.extra_sbatch.{k}={v}", "submit=false", *SLURM], 2,
+           f"slurm.extra_sbatch.{k}: {what}")
+      for k, v, what in [
+          ("time", "5", "is set by the launcher (set slurm.time_min)"),
+          ("gpus_per_node", "8", "is set by the launcher (set topology.gpus_per_node)"),
+          ("gpus", "8", "is set by the launcher"), ("array", "0-3", "is set by the launcher"),
+          ("open_mode", "truncate", "is set by the launcher"), ("error", "/tmp/e", "is set by the launcher"),
+          ("chdir", "/tmp", "is set by the launcher"), ("export", "NONE", "is set by the launcher"),
+          ("ntasks-per-nod", "2", "abbreviates --ntasks-per-node, which is set by the launcher"),
+          ("ntasks", "8", "is set by the launcher"), ("nod", "2", "abbreviates --nodes"),
+          ("t", "5", "abbreviates --time"), ("output", "/tmp/o", "is set by the launcher"),
+          ("signal", "B:USR1", "is set by the launcher"), ("cpus_per_task", "64", "is set by the launcher"),
+          ("job_name", "x", "is set by the launcher"), ("partition", "p", "is set by the launcher"),
+          ("no_requeue", "true", "is set by the launcher"), ("container_image", "x", "is set by the launcher"),
+          ("Time", "5", "not an sbatch long option name"), ("mem", "null", "must be a string, a number or true"),
+      ]],
+    Case("image-quote", ["slurm.container_image='img\"'", "submit=false", *SLURM], 2,
+         "slurm.container_image: has an unbalanced quote"),
+    Case("python-quote", ["slurm.python='/opt/py\"'", "submit=false", *SLURM], 2, "slurm.python: has an unbalanced"),
 ]
 
 
@@ -132,3 +152,49 @@ def test_a_relative_resume_is_saved_absolute(sandbox):
     assert paths.resume_spec("latest") == "latest" and paths.resume_spec("step_5") == "step_5"
     assert paths.resume_spec("old/step_5") == str(sandbox / "old" / "step_5")
     assert paths.resume_spec("~/x") == str(sandbox / "home" / "x")
+
+
+def _allocation(text: str) -> dict[str, str]:
+    """The #SBATCH options of a script, less the log paths (each path has its own)."""
+    import shlex
+
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#SBATCH --"):
+            key, _, value = line[len("#SBATCH --"):].partition("=")
+            out[key] = shlex.split(value)[0] if value else "true"
+    return {k: v for k, v in out.items() if k not in ("output", "error", "wckey")}
+
+
+def _srun_words(text: str) -> list[str]:
+    import shlex
+
+    line = " ".join(text.split("srun ", 1)[1].replace("\\\n", " ").splitlines()[:1])
+    words = shlex.split(line)
+    return [w for w in words if w.startswith("--container")] + [words[words.index("-u") - 1]]
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["slurm.container_image='nvcr.io#nvidia/pytorch:24.01-py3'", "slurm.container_mounts='/a b:/c,/lustre:/lustre'",
+     "slurm.python='/opt/my env/bin/python'", "slurm.partition='gpu a'", "+slurm.extra_sbatch.exclusive=true",
+     "+slurm.extra_sbatch.mem=64G", "+slurm.extra_sbatch.comment='a #b $c'"],
+])
+def test_both_submission_paths_ask_for_the_same_job(extra):
+    """submitit's script and ray_job.sbatch: the same allocation, every value quoted exactly once."""
+    from launcher import plan as plan_mod
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
+    from launcher.job import sbatch
+
+    cfg = typed(compose([*SLURM, *extra]))
+    plan = plan_mod.build(cfg.topology)
+    spec = sbatch.job_spec(cfg, plan)
+    via_submitit = sbatch.submitit_script(spec, Path("/r un/submitit/%j"))
+    plain = sbatch.render(spec, plan, Path("/r un"))
+    assert _allocation(via_submitit) == _allocation(plain)
+    assert _srun_words(via_submitit) == _srun_words(plain)
+    if extra:
+        assert _srun_words(plain) == ["--container-image=nvcr.io#nvidia/pytorch:24.01-py3",
+                                      "--container-mounts=/a b:/c,/lustre:/lustre", "/opt/my env/bin/python"]
+        assert _allocation(plain)["partition"] == "gpu a" and _allocation(plain)["comment"] == "a #b $c"
