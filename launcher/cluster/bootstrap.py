@@ -114,6 +114,7 @@ def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signal
 def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, signals: dict | None = None) -> dict:
     """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.run) with
     `signals` {signal: handler} installed, stop Ray."""
+    ctx.startup.append(("launcher: Python, imports, config, run directory", time.time()))
     ctx.rendezvous.mkdir(parents=True, exist_ok=True)
     os.chmod(ctx.rendezvous, 0o700)
     os.environ.update(auth_env(ctx))  # this process becomes the driver; Ray reads the auth mode at import
@@ -136,6 +137,7 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
             f"{len(plan.nodes)} node(s)")
         connect(ctx, ip, port)
         wait_for_nodes(ctx, cfg, plan)
+        ctx.startup.append(("Ray up (head started, all nodes registered)", time.time()))
         (ctx.rendezvous / "registered").touch()  # from now on a lost node is a failure, not a retry
         if driver is None:
             from launcher import driver as driver_mod

@@ -29,6 +29,7 @@ class JobContext:
     node_index: int
     hostnames: list[str]
     progress: dict = field(default_factory=dict)   # the driver's {"step", "phase"}, for error messages
+    startup: list = field(default_factory=list)    # (phase, time.time() at its end) before the driver
 
     @classmethod
     def from_slurm(cls, run_dir: Path) -> "JobContext":

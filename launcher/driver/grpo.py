@@ -23,6 +23,7 @@ from launcher.driver.checkpoints import CheckpointManager, check_compatible, siz
 from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary
 from launcher.driver.rollout import build_batch, sample
+from launcher.driver.startup import Startup, actor_parts, start_together, step_parts, summary_text
 from launcher.paths import checkpoint_dirs
 
 
@@ -36,6 +37,7 @@ class GrpoRun:
         self.reward_fn = data.REWARDS[cfg.grpo.reward]
         self.trainers = None
         self.generators = None
+        self.startup = Startup.since_process_start(ctx.startup)  # phases end to end, see driver.startup
 
     # ------------------------------------------------------------------ setup
     def start(self) -> None:
@@ -48,19 +50,28 @@ class GrpoRun:
         from workers.trainer.group import TrainerGroup
 
         cfg, plan = self.cfg, self.plan
+        self.startup.mark("driver imports (torch, transformers, workers)")
         t0 = time.time()
         self.model_dir = models.ensure(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.startup.mark("model files ready (+ tokenizer)")
         plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         log(f"model {cfg.model.name} at {self.model_dir}; starting {plan.train_world} trainer rank(s) and "
             f"{plan.engines} vLLM engine(s)")
-        self.trainers = TrainerGroup(TrainerConfig.from_run_config(plain, str(self.model_dir)),
-                                     [plan_mod.trainer_options(plan, r) for r in range(plan.train_world)])
+        train_cfg = TrainerConfig.from_run_config(plain, str(self.model_dir))
         gen_cfg = GeneratorConfig.from_sections(
             str(self.model_dir), plain["vllm"], {"tensor_parallel": plan.generation_tp},
             device=cfg.topology.device, refit_mode=cfg.refit.mode, seed=cfg.run.seed)
-        self.generators = GeneratorGroup(gen_cfg, [plan_mod.generator_options(plan, e) for e in range(plan.engines)])
+        requested = time.time()
+        self.trainers, self.generators = start_together(  # trainer ranks and vLLM engines start at once
+            lambda: TrainerGroup(train_cfg, [plan_mod.trainer_options(plan, r) for r in range(plan.train_world)]),
+            lambda: GeneratorGroup(gen_cfg, [plan_mod.generator_options(plan, e) for e in range(plan.engines)]))
+        self.startup.mark("actors up (trainer ranks + vLLM engines)")
+        self.startup.parts("actors up (trainer ranks + vLLM engines)",
+                           actor_parts(requested, self.trainers.infos, "trainer rank")
+                           + actor_parts(requested, self.generators.infos, "vLLM engine"), concurrent=True)
         transport = refit.connect(self.trainers, self.generators, cfg.refit.transport, cfg.topology.device)
+        self.startup.mark("refit transport set up")
         log(f"actors up in {time.time() - t0:.1f}s; refit {cfg.refit.mode} over {transport}")
         print(self.trainers.peft_statistics, flush=True)
         self._print_actor_logs()
@@ -142,6 +153,8 @@ class GrpoRun:
             step, position = int(info["step"]), int(info["consumed_prompts"])
             log(f"resumed from {ckpt.path} (step {step}, {position} prompts consumed; trainer {restored})")
         metrics = MetricsLogger(self.run_dir, cfg.logging, g.max_num_steps, resumed_step=step)
+        self.startup.mark(("resume + " if cfg.resume else "") + "metrics writers (TensorBoard)")
+        first_step = step + 1
         stale, last_saved = True, step
         config_yaml = (self.run_dir / "config.yaml").read_text()
         try:
@@ -165,6 +178,8 @@ class GrpoRun:
                 except Exception as e:  # noqa: BLE001 - named and re-raised
                     raise StepFailed(describe(e, self.ctx, self.plan, self.trainers, self.generators)) from e
                 metrics.log(step, row)
+                if step == first_step:
+                    self.startup_done(row)
             if step != last_saved and self.cfg.checkpointing.enabled:
                 self.save(step, position, {}, config_yaml)
         finally:
@@ -172,10 +187,18 @@ class GrpoRun:
         rows = read(self.run_dir / "metrics.jsonl")
         plot(rows, self.run_dir / "reward.png")
         table = summary(rows)
+        table += "\n" + summary_text(self.startup, [r for r in rows if r["step"] >= first_step])
         (self.run_dir / "summary.txt").write_text(table + "\n")
         stopped = self.stop.is_set() and step < g.max_num_steps
         log(("stopped" if stopped else "finished") + f" at step {step}/{g.max_num_steps}\n" + table)
         return {"step": step, "stopped": stopped}
+
+    def startup_done(self, row: dict) -> None:
+        name = f"step {self.ctx.progress['step']} (this run's first)"
+        self.startup.mark(name)
+        self.startup.parts(name, step_parts(row), concurrent=False)
+        self.startup.write(self.run_dir / "startup.json")
+        log(self.startup.format())
 
     def check_disk(self, step: int) -> None:
         """Refuse to start a save that cannot fit: estimated from the last checkpoint's size (or the
