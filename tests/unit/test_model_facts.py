@@ -1,0 +1,165 @@
+"""Model facts from a checkpoint's config.json: what is read, what is refused (one line, exit code 2).
+
+The config.json files are written the way transformers writes them (the keys real checkpoints
+have: Qwen3-MoE's num_experts, Mixtral's num_local_experts, Nemotron-H's n_routed_experts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.__main__ import main
+from launcher.config import model_facts
+from launcher.config.schema import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+             "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "vocab_size": 151936,
+             "torch_dtype": "bfloat16"}
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+NEMOTRON_H = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 2688,
+              "num_hidden_layers": 52, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+              "n_routed_experts": 128, "num_experts_per_tok": 6, "hybrid_override_pattern": "MEMEM*E" * 7}
+
+
+def checkpoint(tmp_path: Path, config, name: str = "ckpt") -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return d
+
+
+def test_qwen3_moe_facts(tmp_path):
+    facts, archs = model_facts.read(checkpoint(tmp_path, QWEN3_MOE))
+    assert archs == ["Qwen3MoeForCausalLM"]
+    assert facts == model_facts.ModelFacts(family="qwen3_moe", num_layers=48, hidden_size=2048,
+                                           num_attention_heads=32, num_query_groups=4, head_dim=128,
+                                           num_experts=128, moe_router_topk=8)
+
+
+def test_dense_defaults_head_dim_and_groups(tmp_path):
+    cfg = dict(LLAMA)
+    del cfg["num_key_value_heads"]
+    facts, _ = model_facts.read(checkpoint(tmp_path, cfg))
+    assert (facts.head_dim, facts.num_query_groups, facts.num_experts, facts.moe_router_topk) == (128, 32, 0, 0)
+
+
+def test_other_expert_key_names(tmp_path):
+    facts, _ = model_facts.read(checkpoint(tmp_path, NEMOTRON_H))
+    assert (facts.family, facts.num_experts, facts.moe_router_topk, facts.head_dim) == ("nemotron_h", 128, 6, 128)
+    mixtral = {**LLAMA, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
+    facts, _ = model_facts.read(checkpoint(tmp_path, mixtral, "mixtral"))
+    assert (facts.num_experts, facts.moe_router_topk) == (8, 2)
+
+
+@pytest.mark.parametrize("config,message", [
+    ("[1, 2]", "{f} must hold a JSON object, got list"),
+    ('{"model_type": "llama",', "{f} is not valid JSON: Expecting property name enclosed in double quotes: "
+                                "line 1 column 24 (char 23)"),
+    ({**LLAMA, "num_hidden_layers": "32"}, "{f}: num_hidden_layers must be a positive integer, got '32'"),
+    ({**LLAMA, "hidden_size": 0}, "{f}: hidden_size must be a positive integer, got 0"),
+    ({**LLAMA, "num_attention_heads": True}, "{f}: num_attention_heads must be a positive integer, got True"),
+    ({k: v for k, v in LLAMA.items() if k != "num_hidden_layers"}, "{f}: num_hidden_layers is missing"),
+    ({k: v for k, v in LLAMA.items() if k != "model_type"},
+     "{f}: model_type is missing (a transformers config.json names its model_type)"),
+    ({**LLAMA, "num_key_value_heads": 5}, "{f}: num_key_value_heads 5 must divide num_attention_heads 32"),
+    ({**LLAMA, "hidden_size": 4100}, "{f}: has no head_dim and hidden_size 4100 is not a multiple of "
+                                     "num_attention_heads 32"),
+    ({**QWEN3_MOE, "num_experts_per_tok": 0}, "{f}: an MoE model needs num_experts_per_tok in [1, 128], got 0"),
+    ({**QWEN3_MOE, "num_experts": "many"}, "{f}: num_experts must be an integer >= 0, got 'many'"),
+    ({**LLAMA, "architectures": "LlamaForCausalLM"},
+     "{f}: architectures must be a list of strings, got 'LlamaForCausalLM'"),
+])
+def test_bad_config_json_is_one_line(tmp_path, config, message):
+    d = checkpoint(tmp_path, config)
+    with pytest.raises(ConfigError) as e:
+        model_facts.read(d)
+    assert e.value.key == "model.path"
+    assert e.value.message == message.format(f=d / "config.json")
+
+
+def test_registry_read_from_the_bridge_sources():
+    archs = model_facts.bridge_architectures()
+    assert archs is not None, "Megatron-Bridge is installed in this venv"
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+            "NemotronHForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM"} <= archs
+    assert "GPT2LMHeadModel" not in archs
+    assert set(model_facts.supported_families()) >= {"llama", "qwen2", "qwen3", "qwen3_moe", "nemotron_h"}
+
+
+def test_the_registry_agrees_with_megatron_bridges_own_dispatch_table():
+    """The static reading sees every architecture the real registry holds (run in a fresh process)."""
+    probe = ("import sys, json; sys.path.insert(0, sys.argv[1]); from workers import cpu_shim; cpu_shim.apply('cpu');"
+             "from megatron.bridge import AutoBridge; print(json.dumps(AutoBridge.list_supported_models()))")
+    p = subprocess.run([sys.executable, "-c", probe, str(REPO)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    real = set(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert real - model_facts.bridge_architectures() == set()
+
+
+def test_reading_stays_torch_free(tmp_path):
+    d = checkpoint(tmp_path, QWEN3_MOE)
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); from launcher.config import model_facts as m;"
+             "m.check_supported(*m.read(sys.argv[2]), 'x'); print(m.supported_families());"
+             "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'megatron', 'transformers')))")
+    p = subprocess.run([sys.executable, "-c", probe, str(REPO), str(d)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_unsupported_architectures_name_the_supported_families(tmp_path):
+    supported = ", ".join(model_facts.supported_families())
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768, "hidden_size": 768,
+            "num_hidden_layers": 12, "num_attention_heads": 12}
+    d = checkpoint(tmp_path, gpt2, "gpt2")
+    with pytest.raises(ConfigError) as e:
+        model_facts.check_supported(*model_facts.read(d), where="W")
+    assert str(e.value) == (f"model.path: W is gpt2 (GPT2LMHeadModel): Megatron-Bridge has no bridge for it; "
+                            f"supported families: {supported}")
+    # the bridge maps DeepSeek-V3 (MLA attention), our LoRA layout does not
+    ds = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+          "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+          "n_routed_experts": 256, "num_experts_per_tok": 8}
+    d = checkpoint(tmp_path, ds, "ds")
+    with pytest.raises(ConfigError) as e:
+        model_facts.check_supported(*model_facts.read(d), where="W")
+    assert str(e.value) == f"model.path: W is model_type 'deepseek_v3': no LoRA layout for it; supported families: " \
+                           f"{supported}"
+
+
+def test_cli_reads_the_checkpoint_numbers(tmp_path, capsys):
+    """model.path alone: no architecture number restated; the dry run plans EP over its experts."""
+    d = checkpoint(tmp_path, {**QWEN3_MOE, "num_hidden_layers": 4})
+    rc = main([f"model.path={d}", "topology.train.expert_parallel=1", f"run.root={tmp_path}/runs",
+               "dry_run=true"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert err.startswith(f"note: model: {d}/config.json says family=qwen3_moe (conf: llama), num_layers=4 (conf: 2)")
+    for line in ("  family: qwen3_moe\n", "  num_layers: 4\n", "  num_experts: 128\n", "  moe_router_topk: 8\n",
+                 "  head_dim: 128\n"):
+        assert line in out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_bad_config_json_is_one_line_and_writes_nothing(tmp_path, capsys):
+    d = checkpoint(tmp_path, {**LLAMA, "num_attention_heads": "32"})
+    rc = main([f"model.path={d}", f"run.root={tmp_path}/runs"])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert err == f"error: model.path: {d}/config.json: num_attention_heads must be a positive integer, got '32'\n"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_unknown_family_without_checkpoint(tmp_path, capsys):
+    rc = main(["model.family=gpt2", f"run.root={tmp_path}/runs", "dry_run=true"])
+    assert rc == 2
+    assert capsys.readouterr().err == (f"error: model.family: must be one of "
+                                       f"{', '.join(model_facts.supported_families())}, got 'gpt2'\n")
