@@ -25,6 +25,19 @@ Patches, each with what and why (all recorded in APPLIED):
   bridge_no_te      megatron.bridge.peft.utils.HAVE_TE := False. Without TE, megatron-core's TE
                     classes are MagicMock placeholders, so the bridge believes TE is present and
                     LoRA's isinstance checks fail ("isinstance() arg 2 must be a type").
+  moe_dispatcher    MoE expert parallelism (measured in notes/moe-on-cpu.md): megatron's all-to-all
+                    token dispatcher makes a torch.cuda.Stream for its device-to-host copies and
+                    records/waits events on it; it gets an inert stream (record_event included)
+                    and torch.cuda.stream(...) is a no-op. It also relies on
+                    maybe_move_tensor_to_cpu(..., as_numpy=True) to turn its split sizes into numpy,
+                    which only happens for CUDA tensors; on CPU the sizes stayed tensors and gloo's
+                    all_to_all_single rejected them (TypeError). CPU tensors are converted too.
+  torch_norm_sp     sequence parallelism with megatron's torch norms (the local, non-TE spec):
+                    WrappedTorchNorm asserts `not sequence_parallel`, but MoELayer refuses to train
+                    at TP>1 without it. The norm is built anyway and its weights are tagged
+                    `sequence_parallel=True` the way Apex/TE norms tag theirs, so
+                    finalize_model_grads sums their per-sequence-shard grads over TP (loss and grad
+                    norm then equal TP=1's).
   cuda_factories    (scoped, see cuda_factories_on_cpu) a TorchFunctionMode that rewrites
                     device="cuda[:N]" to "cpu" and lets `Tensor.type()` report the CUDA spelling,
                     because the optimizer, clip_grads and the schedules hard-code
@@ -58,6 +71,8 @@ def apply(device: str) -> list[str]:
     _import_stubs()
     _causal_mask()
     _bridge_no_te()
+    _moe_dispatcher()
+    _torch_norm_sequence_parallel()
     return list(APPLIED)
 
 
@@ -84,6 +99,22 @@ def _current_device() -> None:
         torch.cuda.current_device = lambda: "cpu"
 
 
+class _NoEvent:
+    """A stand-in for torch.cuda.Event on CPU: already complete."""
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NoStream:
     """A stand-in for torch.cuda.Stream on CPU: every wait is already satisfied."""
 
@@ -95,6 +126,9 @@ class _NoStream:
 
     def synchronize(self):
         pass
+
+    def record_event(self, event=None):
+        return event or _NoEvent()
 
 
 def _cuda_sync() -> None:
@@ -197,6 +231,49 @@ def _bridge_no_te() -> None:
 
     peft_utils.HAVE_TE = False
     _once("bridge_no_te")
+
+
+def _moe_dispatcher() -> None:
+    if "moe_dispatcher" in APPLIED:
+        return
+    import torch
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()  # it makes one if None
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _once("moe_dispatcher")
+
+
+def _torch_norm_sequence_parallel() -> None:
+    if "torch_norm_sp" in APPLIED:
+        return
+    import megatron.core.transformer.torch_norm as torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False  # only past the assert; restored at once
+        try:
+            norm = original(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+    _once("torch_norm_sp")
 
 
 def cuda_factories_on_cpu(device: str):

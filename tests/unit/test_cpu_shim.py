@@ -36,6 +36,22 @@ import megatron.bridge.peft.utils as peft_utils
 out["bridge_have_te"] = peft_utils.HAVE_TE
 import megatron.core.transformer.utils as tu
 out["causal_mask_device"] = str(tu.get_default_causal_mask(3).device)
+import megatron.core.transformer.moe.token_dispatcher as td
+out["splits_as_numpy"] = type(td.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__
+out["splits_kept"] = type(td.maybe_move_tensor_to_cpu(torch.tensor([1, 2]))).__name__
+stream = td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+stream.record_event().synchronize()
+with torch.cuda.stream(stream):
+    pass
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+norms = {}
+for sp in (False, True):
+    c = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                          tensor_model_parallel_size=2 if sp else 1, sequence_parallel=sp)
+    norm = WrappedTorchNorm(c, 8)
+    norms[str(sp)] = [type(norm).__name__, getattr(norm.weight, "sequence_parallel", None), c.sequence_parallel]
+out["norms"] = norms
 print(json.dumps(out))
 """
 
@@ -56,3 +72,7 @@ def test_cpu_shim_patches_only_what_it_says():
         assert out["stub_triton_in_megatron"] == "triton"
     assert out["bridge_have_te"] is False
     assert out["causal_mask_device"] == "cpu"
+    assert {"moe_dispatcher", "torch_norm_sp"} <= set(out["cpu_applied"])
+    assert (out["splits_as_numpy"], out["splits_kept"]) == ("ndarray", "Tensor")  # gloo's all_to_all wants lists
+    # sequence parallel: the torch norm builds, tags its weights for the TP grad all-reduce, keeps the config
+    assert out["norms"] == {"False": ["RMSNorm", None, False], "True": ["RMSNorm", True, True]}
