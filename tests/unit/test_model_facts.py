@@ -163,3 +163,42 @@ def test_cli_unknown_family_without_checkpoint(tmp_path, capsys):
     assert rc == 2
     assert capsys.readouterr().err == (f"error: model.family: must be one of "
                                        f"{', '.join(model_facts.supported_families())}, got 'gpt2'\n")
+
+
+# --------------------------------------------------------------------------- MoE rules
+
+
+def moe_errors(*overrides: str) -> list[str]:
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
+    from launcher.config.validate import validate
+
+    return [str(e) for e in validate(typed(compose(["model=tiny_qwen3_moe", *overrides])))]
+
+
+def test_tiny_moe_configs_are_valid():
+    assert moe_errors() == []
+    assert moe_errors("topology.train.expert_parallel=2") == []
+    assert moe_errors("topology.train.expert_parallel=2", "refit=adapter") == []
+    assert moe_errors("peft=lora_all_linear", "topology.train.expert_parallel=1", "topology.train.tensor_parallel=1") \
+        == []  # LoRA on experts, merged at EP1: the Bridge's merge is exact there
+
+
+def test_lora_on_experts_is_refused_where_it_is_not_exact():
+    head = ("peft.target_modules: 'linear_fc1', 'linear_fc2' wrap the 4 experts of tiny_qwen3_moe: LoRA on experts "
+            "is exact only with refit.mode=merged at topology.train.expert_parallel=1 (")
+    tail = "); LoRA on attention (linear_qkv, linear_proj) works with every refit mode and expert_parallel"
+    assert moe_errors("peft=lora_all_linear", "topology.train.expert_parallel=2") == [
+        head + "Megatron-Bridge 0.6.2's merged export merges one rank's expert adapter into every expert at "
+               "expert_parallel > 1 (docs/moe.md)" + tail]
+    assert moe_errors("peft=lora_all_linear", "refit=merged_delta") == [
+        head + "refit.mode=merged_delta does not carry expert adapters yet" + tail]
+    pattern = "peft.target_modules=[decoder.layers.*.mlp.experts.local_experts.*.linear_fc2]"
+    errs = moe_errors(pattern, "topology.train.expert_parallel=2")
+    assert len(errs) == 1 and "'decoder.layers.*.mlp.experts.local_experts.*.linear_fc2' wrap the 4 experts" in errs[0]
+
+
+def test_expert_parallel_must_divide_the_experts():
+    assert moe_errors("topology.train.expert_parallel=3", "topology.train.tensor_parallel=1",
+                      "topology.train.ranks_per_node=3", "grpo.num_prompts_per_step=6") == [
+        "topology.train.expert_parallel: must divide model.num_experts = 4, got 3"]
