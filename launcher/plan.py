@@ -156,7 +156,9 @@ def check(t: Topology) -> list[ConfigError]:
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    """The divisors of n, in O(sqrt n) (n is a product of config values: it can be large)."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
 
 
 def build(t: Topology) -> Plan:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from launcher import paths
 from launcher import plan as plan_mod
+from launcher.config import ranges
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
 
@@ -36,6 +37,9 @@ JOBS = ("grpo", "placement_smoke", "hold")
 
 
 def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
+    errs = ranges.check(cfg)  # every field's own range first: the rules below may assume them
+    if errs:
+        return errs
     errs = plan_mod.check(cfg.topology)
     errs += _paths(cfg)
     errs += _model(cfg, submitting)

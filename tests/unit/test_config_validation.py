@@ -85,9 +85,9 @@ BAD = [
      "refit.mode: merged_delta sends LoRA factors: needs peft.enabled=true (full fine-tuning uses refit=merged)"),
     (["refit.transport=nccl"], "refit.transport: nccl needs topology.device=cuda; on cpu use auto, ray or gloo"),
     (["model.path=/nonexistent/model"], None),  # only checked when submitting (see below)
-    (["grpo.num_prompts_per_step=5", "grpo.num_generations_per_prompt=1", "topology=slurm_3n",
+    (["grpo.num_prompts_per_step=5", "grpo.num_generations_per_prompt=3", "topology=slurm_3n",
       "topology.train.tensor_parallel=1"],
-     "grpo.num_prompts_per_step: prompts x generations = 5 must divide evenly over the 2 data-parallel trainer "
+     "grpo.num_prompts_per_step: prompts x generations = 15 must divide evenly over the 2 data-parallel trainer "
      "groups"),
     (["grpo.max_total_sequence_length=8"],
      "grpo.max_total_sequence_length: must exceed grpo.max_new_tokens = 8 (prompt + response), got 8"),
