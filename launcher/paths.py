@@ -25,6 +25,17 @@ PATH_KEYS = ("run.root", "checkpointing.dir", "model.path")
 RESUME_WORDS = re.compile(r"^(latest|step_\d+)$")
 
 
+def umask(cfg: Config) -> int:
+    """The umask of everything the launcher and the job write: private by default (0700 folders,
+    0600 files), group-readable (0750/0640) with run.shared_with_group=true. Ray's token file
+    keeps its own 0600."""
+    return 0o027 if cfg.run.shared_with_group else 0o077
+
+
+def dir_mode(cfg: Config) -> int:
+    return 0o777 & ~umask(cfg)
+
+
 def run_name_error(name: object) -> ConfigError | None:
     if isinstance(name, str) and RUN_NAME.match(name) and name not in (".", ".."):
         return None

@@ -183,6 +183,7 @@ class Run:
     root: str = "runs"
     seed: int = 1234
     job: str = "grpo"
+    shared_with_group: bool = False   # run directory 0750/0640 instead of 0700/0600
 
 
 @dataclass

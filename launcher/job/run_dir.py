@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
+from launcher.driver import data, rewards
 from launcher.job import sbatch
 from launcher import paths
 from launcher.paths import checkpoint_dirs
@@ -28,6 +30,7 @@ def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
     depend on a cwd or a home directory."""
     out = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
     paths.absolute_config(out)
+    data.absolute_sources(out)
     out.run.root = str(run_dir.parent)
     out.dry_run = False
     return out
@@ -45,17 +48,21 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "
                                       f"continue it with +resume=latest, or start fresh with run.name=<new name>")
+    os.umask(paths.umask(cfg))  # this process writes the run dir and submitit's files; the job sets it too
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs").mkdir(exist_ok=True)
+        for d in (run_dir, run_dir / "logs", ckpts):
+            d.mkdir(parents=True, exist_ok=True)
+        for d in (run_dir, ckpts):
+            d.chmod(paths.dir_mode(cfg))  # also a run dir written before with wider modes
     except OSError as e:
         raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
+    rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     config_mod.save(resolved(raw, run_dir), run_dir / "config.yaml")
     (run_dir / "plan.txt").write_text(plan.describe() + "\n")
     if spec is not None:
         script = run_dir / "ray_job.sbatch"
         script.write_text(sbatch.render(spec, plan, run_dir))
-        script.chmod(0o755)
+        script.chmod(paths.dir_mode(cfg))  # executable by you (and your group with run.shared_with_group)
 
 
 def record_submission(run_dir: Path, job_id: str) -> None:

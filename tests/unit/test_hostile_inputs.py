@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -130,7 +132,9 @@ def sandbox(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setattr(cli, "_run_here", lambda *a, **k: 99)
     monkeypatch.setattr(cli, "_submit", lambda *a, **k: 98)
-    return tmp_path
+    old = os.umask(0o022)   # what a typical login shell has; the launcher sets its own
+    yield tmp_path
+    os.umask(old)
 
 
 def snapshot(*roots: Path) -> dict[str, str]:
@@ -230,3 +234,19 @@ def test_both_submission_paths_ask_for_the_same_job(extra):
         assert _srun_words(plain) == ["--container-image=nvcr.io#nvidia/pytorch:24.01-py3",
                                       "--container-mounts=/a b:/c,/lustre:/lustre", "/opt/my env/bin/python"]
         assert _allocation(plain)["partition"] == "gpu a" and _allocation(plain)["comment"] == "a #b $c"
+
+
+@pytest.mark.parametrize("shared,dirs,files", [(False, 0o700, 0o600), (True, 0o750, 0o640)])
+def test_run_directory_is_private(sandbox, capsys, shared, dirs, files):
+    """Secrets in slurm.setup land in config.yaml and the scripts: nobody else may read them."""
+    run = sandbox / "runs" / "priv"
+    run.mkdir(parents=True)
+    run.chmod(0o755)  # written before by a launcher that did not care
+    rc = cli.main([*SLURM, "submit=false", f"run.root={sandbox / 'runs'}", "run.name=priv",
+                   f"run.shared_with_group={str(shared).lower()}", "slurm.setup=['export HF_TOKEN=hf_secret']"])
+    assert rc == 0, capsys.readouterr().err
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(run) == dirs and mode(run / "logs") == dirs and mode(run / "checkpoints") == dirs
+    assert mode(run / "config.yaml") == files and mode(run / "plan.txt") == files
+    assert mode(run / "ray_job.sbatch") == dirs   # executable, not readable by others
+    assert f"umask {0o777 & ~dirs:03o}" in (run / "ray_job.sbatch").read_text()  # the job writes the same way
