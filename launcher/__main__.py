@@ -1,27 +1,35 @@
-"""`python -m launcher [key=value ...]`: validate, plan, then submit (or run here, or only print).
+"""`python -m launcher [--cfg job|all] [-m] [key=value ...]`: validate, plan, then submit (or run
+here, or only print). `-m` (--multirun) sweeps: one run per point (launcher/sweep.py).
 
 Any mistake in the config ends here with one line per problem naming the key (exit code 2),
-before anything is written or submitted.
+before anything is written or submitted; in a sweep, before any point is.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import paths
+from launcher import sweep as sweep_mod
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
+from launcher.config import model_facts
 from launcher.config.compose import ConfigError
 from launcher.config.schema import typed
 from launcher.config.validate import validate
 from launcher.job import run_dir as run_dir_mod
 from launcher.job import sbatch
+from launcher.job import stop as stop_mod
 
 HELP = """\
-usage: python -m launcher [group=option ...] [key=value ...] [+resume=step_N|latest|PATH]
+usage: python -m launcher [--cfg job|all] [-m [--max-points N]] [group=option ...] [key=value ...]
+                          [+resume=step_N|latest|PATH]
 
 GRPO post-training with Megatron LoRA trainers and vLLM generators, on this machine or on Slurm.
 
@@ -30,6 +38,16 @@ examples:
   python -m launcher topology=ultra_6n4g dry_run=true    # the reference recipe: plan, config, sbatch
   python -m launcher topology=slurm_3n slurm.partition=gpu
   python -m launcher topology=slurm_3n +resume=latest    # continue the run in runs/<run.name>
+  python -m launcher -m topology=slurm_2n peft.dim=8,16 optim.lr=1e-4,3e-4   # a sweep: one job per point
+
+options:
+  --cfg job               print the resolved run config (what config.yaml will hold) and exit
+  --cfg all               the same, then what the launcher derives from it (run directory, plan)
+  -m, --multirun          sweep: a=1,2  a=choice(x,y)  a=range(1,5)  topology=glob(slurm_*); every point is
+                          validated before any is submitted; runs are named <run.name>-<swept values>
+  --max-points N          the most points a sweep may have (default {max_points})
+  follow runs:            python -m launcher.status [RUN_DIR | SWEEP_DIR | run.name=NAME] [--watch] [--json]
+  stop a run:             python -m launcher.stop RUN_DIR   (after its next checkpoint; no requeue)
 
 config groups (conf/<group>/<option>.yaml):
 {groups}
@@ -46,7 +64,79 @@ A run directory holds config.yaml (resolved), plan.txt, ray_job.sbatch, logs/, c
 
 def _help() -> str:
     groups = "\n".join(f"  {g:<14} {', '.join(config_mod.group_options(g))}" for g in config_mod.GROUPS)
-    return HELP.format(groups=groups)
+    return HELP.format(groups=groups, max_points=sweep_mod.MAX_POINTS)
+
+
+@dataclass
+class Options:
+    cfg: str | None = None          # --cfg job|all
+    multirun: bool = False          # -m
+    max_points: int = sweep_mod.MAX_POINTS
+
+
+def _options(argv: list[str]) -> tuple[Options, list[str]]:
+    """Split the launcher's options from the overrides; ConfigError naming a bad option."""
+    opts, rest, i = Options(), [], 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=") if a.startswith("--") else (a, "", "")
+        if name in ("-m", "--multirun"):
+            opts.multirun = True
+        elif name in ("--cfg", "-c", "--max-points"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(name, "needs a value" + (": job or all" if name != "--max-points" else ""))
+                i += 1
+                value = argv[i]
+            if name == "--max-points":
+                if not value.isdigit() or int(value) < 1:
+                    raise ConfigError(name, f"must be a positive whole number, got {value!r}")
+                opts.max_points = int(value)
+            elif value not in ("job", "all"):
+                raise ConfigError("--cfg", f"must be job or all, got {value!r} (there is no hydra config to print)")
+            else:
+                opts.cfg = value
+        elif a.startswith("-"):
+            raise ConfigError(a, "not an option; arguments are key=value overrides (see --help)")
+        else:
+            rest.append(a)
+        i += 1
+    return opts, rest
+
+
+@dataclass
+class Resolved:
+    raw: object
+    cfg: object
+    plan: object
+    run_dir: Path
+    spec: object
+
+
+def _resolve(overrides: list[str], printing: bool = False) -> tuple[Resolved | None, list]:
+    """Compose, validate and plan one run; (the run, []) or (None, its errors). Raises ConfigError."""
+    raw = config_mod.compose(overrides)
+    for note in model_facts.apply(raw):  # a checkpoint here is the source of its own architecture
+        print(f"note: {note}", file=sys.stderr)
+    cfg = typed(raw)
+    errors = validate(cfg, submitting=not (cfg.dry_run or printing))
+    if errors:
+        return None, errors
+    plan = plan_mod.build(cfg.topology)
+    run_dir = paths.run_dir(cfg)
+    spec = sbatch.job_spec(cfg, plan) if cfg.topology.executor == "slurm" else None
+    return Resolved(raw, cfg, plan, run_dir, spec), []
+
+
+def cfg_text(r: Resolved, which: str) -> str:
+    """`--cfg job`: the config as the run's config.yaml holds it; `--cfg all`: then what is derived."""
+    text = config_mod.to_yaml(run_dir_mod.resolved(r.raw, r.run_dir))
+    if which == "all":
+        plan = "".join(f"    {line}\n" for line in r.plan.describe().splitlines())
+        text += ("---\n# derived by the launcher (not part of config.yaml)\nlauncher:\n"
+                 f"  run_dir: {json.dumps(str(r.run_dir))}\n  executor: {r.cfg.topology.executor}\n"
+                 f"  nodes: {len(r.plan.nodes)}\n  plan: |\n{plan}")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,29 +144,31 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help", "help") for a in argv):
         print(_help())
         return 0
-    bad = [a for a in argv if a.startswith("-")]
-    if bad:
-        print(f"error: {bad[0]}: not an option; arguments are key=value overrides (see --help)", file=sys.stderr)
-        return 2
     try:
-        raw = config_mod.compose(argv)
-        cfg = typed(raw)
-        errors = validate(cfg, submitting=not cfg.dry_run)
+        opts, overrides = _options(argv)
+        if opts.multirun:
+            return _multirun(overrides, opts)
+        swept = sweep_mod.sweep_override(overrides)
+        if swept:
+            raise ConfigError(swept, "is a sweep: add -m (--multirun) for one run per value, or quote a value "
+                                     "that holds commas: key='a,b'")
+        r, errors = _resolve(overrides, printing=bool(opts.cfg))
         if errors:
             for e in errors:
                 print(f"error: {e}", file=sys.stderr)
             return 2
-        paths.absolute_config(cfg)  # every path absolute, once, before anything reads it
-        plan = plan_mod.build(cfg.topology)
-        run_dir = paths.run_dir(cfg)
-        spec = sbatch.job_spec(cfg, plan) if cfg.topology.executor == "slurm" else None
-        if cfg.dry_run:
-            _print_dry_run(cfg, raw, plan, run_dir, spec)
+        cfg, plan, run_dir, spec = r.cfg, r.plan, r.run_dir, r.spec
+        if opts.cfg:
+            sys.stdout.write(cfg_text(r, opts.cfg))
             return 0
-        run_dir_mod.prepare(cfg, raw, plan, run_dir, spec)
+        if cfg.dry_run:
+            _print_dry_run(cfg, r.raw, plan, run_dir, spec)
+            return 0
+        run_dir_mod.prepare(cfg, r.raw, plan, run_dir, spec)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    stop_mod.clear_stop_request(run_dir)  # a stop asked of an earlier job of this run is not for this one
     if spec is None:
         return _run_here(cfg, plan, run_dir)
     if not cfg.submit:
@@ -84,6 +176,90 @@ def main(argv: list[str] | None = None) -> int:
               f"  sbatch {run_dir}/ray_job.sbatch")
         return 0
     return _submit(cfg, plan, run_dir)
+
+
+def _multirun(overrides: list[str], opts: Options) -> int:
+    """Every point validated first (one line per problem, naming the point; nothing written or
+    submitted if any is bad), then each point written and submitted (or run here, one after another)."""
+    points = sweep_mod.expand(overrides, opts.max_points)
+    bases, failed = [], {}
+    for p in points:
+        try:
+            bases.append(str(config_mod.compose(p.overrides).run.name))
+        except ConfigError as e:
+            bases.append("run")
+            failed[p.index] = e
+    sweep_mod.name_points(points, bases)
+    runs, bad = [], 0
+    for p in points:
+        try:
+            if p.index in failed:
+                raise failed[p.index]
+            r, errors = _resolve([*p.overrides, f"run.name='{p.name}'"], printing=bool(opts.cfg))
+        except ConfigError as e:
+            r, errors = None, [e]
+        for e in errors:
+            print(f"error: point {p.index} ({p.label()}): {e}", file=sys.stderr)
+        bad += bool(errors)
+        runs.append(r)
+    if bad:
+        print(f"error: {bad} of {len(points)} sweep point(s) invalid; nothing was written or submitted",
+              file=sys.stderr)
+        return 2
+    for key in ("dry_run", "submit"):
+        if len({getattr(r.cfg, key) for r in runs}) > 1:
+            raise ConfigError(key, "cannot differ between the points of a sweep")
+    first = runs[0].cfg
+    if opts.cfg:
+        for p, r in zip(points, runs):
+            print(f"# point {p.index}: {p.label()} -> {r.run_dir}")
+            sys.stdout.write(cfg_text(r, opts.cfg))
+        return 0
+    if first.dry_run:
+        for p, r in zip(points, runs):
+            print(f"\n######## point {p.index}/{len(points)}: {p.label()} -> run {p.name}")
+            _print_dry_run(r.cfg, r.raw, r.plan, r.run_dir, r.spec)
+        print(f"\n== sweep of {len(points)} point(s) (dry run: nothing written or submitted)")
+        print(sweep_mod.table(points, [{"state": "dry run"}] * len(points)))
+        return 0
+    for p, r in zip(points, runs):  # refusals (a run that already holds checkpoints...) before any submission
+        try:
+            run_dir_mod.prepare(r.cfg, r.raw, r.plan, r.run_dir, r.spec)
+        except ConfigError as e:
+            print(f"error: point {p.index} ({p.label()}): {e}", file=sys.stderr)
+            print("error: nothing was submitted", file=sys.stderr)
+            return 2
+    sdir = sweep_mod.sweep_dir(runs[0].run_dir.parent, bases[0])
+    rows, rc = [], 0
+    for p, r in zip(points, runs):
+        stop_mod.clear_stop_request(r.run_dir)
+        job_id, state = None, "written"
+        if rc:
+            state = "not submitted"
+        elif r.spec is None:
+            print(f"== point {p.index}/{len(points)}: {p.label()}: running here", flush=True)
+            code = subprocess.run([sys.executable, "-m", "launcher", *p.overrides, f"run.name='{p.name}'"]).returncode
+            state = "COMPLETED" if code == 0 else f"exit {code}"
+        elif r.cfg.submit:
+            try:
+                job_id = _submit_job(r.cfg, r.plan, r.run_dir)
+                state = "submitted"
+            except Exception as e:  # noqa: BLE001 - sbatch refused: say so, submit no further point
+                print(f"error: point {p.index}: submission failed: {_last_line(e)}", file=sys.stderr)
+                state, rc = "submission failed", 1
+        sweep_mod.record(sdir / "sweep.jsonl", p, r.run_dir, job_id, state)
+        rows.append({"job_id": job_id, "state": state})
+    print(sweep_mod.table(points, rows))
+    print(f"sweep {sdir} ({len(points)} point(s); record: sweep.jsonl)")
+    if first.topology.executor == "slurm" and not first.submit:
+        print(f"submit each with: sbatch <run directory>/ray_job.sbatch   (run directories under {sdir.parents[1]})")
+    else:
+        print(f"follow it: python -m launcher.status {sdir} --watch")
+    return rc
+
+
+def _last_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
 
 
 def _print_dry_run(cfg, raw, plan, run_dir: Path, spec) -> None:
@@ -103,21 +279,26 @@ def _print_dry_run(cfg, raw, plan, run_dir: Path, spec) -> None:
         print(f"== also written on submission: {run_dir}/ray_job.sbatch (the same job for plain `sbatch`)")
 
 
-def _submit(cfg, plan, run_dir: Path) -> int:
+def _submit_job(cfg, plan, run_dir: Path) -> str:
     from launcher.job.submit import submit_slurm
 
-    try:
-        job = submit_slurm(cfg, plan, run_dir)
-    except Exception as e:  # sbatch refused (bad partition, no Slurm...): say what Slurm said
-        print(f"error: submission failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
-              file=sys.stderr)
-        return 1
+    job = submit_slurm(cfg, plan, run_dir)
     run_dir_mod.record_submission(run_dir, job.job_id)
-    log = run_dir / "submitit" / job.job_id / f"{job.job_id}_0_log.out"
-    print(f"submitted job {job.job_id} ({len(plan.nodes)} nodes) for run {cfg.run.name}")
+    return job.job_id
+
+
+def _submit(cfg, plan, run_dir: Path) -> int:
+    try:
+        job_id = _submit_job(cfg, plan, run_dir)
+    except Exception as e:  # sbatch refused (bad partition, no Slurm...): say what Slurm said
+        print(f"error: submission failed: {_last_line(e)}", file=sys.stderr)
+        return 1
+    log = run_dir / "submitit" / job_id / f"{job_id}_0_log.out"
+    print(f"submitted job {job_id} ({len(plan.nodes)} nodes) for run {cfg.run.name}")
     print(f"  run directory: {run_dir}")
     print(f"  follow the driver: tail -F {log}")
-    print(f"  Ray logs per node: {run_dir}/logs/   status: squeue -j {job.job_id}   cancel: scancel {job.job_id}")
+    print(f"  Ray logs per node: {run_dir}/logs/   status: python -m launcher.status {run_dir}")
+    print(f"  stop after a checkpoint: python -m launcher.stop {run_dir}   cancel now: scancel {job_id}")
     return 0
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from launcher import plan as plan_mod
+from launcher import progress
 from launcher.cluster.context import ClusterError, JobContext, check_nodes, log
 from launcher.cluster.ray_node import (auth_env, connect, disconnect, fatal_ray_error, free_port, port_open,
                                        resolve_ip, start_ray, stop_process_tree, tail, wait_for_nodes, wait_port,
@@ -56,7 +57,7 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
             (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
     try:
         out = run_head(ctx, cfg, plan, signals=stop.job_handlers(plain_sbatch))
-        if plain_sbatch and (out.get("result") or {}).get("stopped"):
+        if plain_sbatch and (out.get("result") or {}).get("stopped") and not out.get("stop_requested"):
             log(f"requeueing job {ctx.job_id}: the restarted job resumes from the checkpoint just saved")
             stop.requeue(ctx.job_id)
         return out
@@ -98,13 +99,16 @@ def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signal
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             box["error"] = e
 
+    beat = progress.Heartbeat(log)  # "still <phase> (<elapsed>)" while one phase lasts
     with stop.running(target, signals or {}) as current:
         next_check = 0.0
         while current.thread.is_alive():
             current.thread.join(0.5)
+            stop.poll_stop_request(ctx.run_dir)  # `python -m launcher.stop`: like a preemption, no requeue
             if time.time() >= next_check and current.thread.is_alive():
                 check_nodes(ctx, plan)  # a lost node ends the run now
                 next_check = time.time() + 2.0
+            beat.tick(progress.phase_text(ctx.progress))
     if "error" in box:
         raise box["error"]
     return box["result"]
@@ -136,7 +140,8 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
         log(f"Ray head up at {ip}:{port} on {ctx.hostname} (job {ctx.job_id}); waiting for "
             f"{len(plan.nodes)} node(s)")
         connect(ctx, ip, port)
-        wait_for_nodes(ctx, cfg, plan)
+        with progress.waiting(f"waiting for {len(plan.nodes)} node(s) to register with the Ray head", log):
+            wait_for_nodes(ctx, cfg, plan)
         ctx.startup.append(("Ray up (head started, all nodes registered)", time.time()))
         (ctx.rendezvous / "registered").touch()  # from now on a lost node is a failure, not a retry
         if driver is None:
@@ -144,7 +149,8 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
             driver = driver_mod.run
         result = run_driver(driver, cfg, plan, ctx, signals)
         status["ok"] = True
-        return {"node": ctx.hostname, "role": "head", "result": result}
+        asked = stop.finish_stop_request(ctx.run_dir, ctx.job_id, result or {})
+        return {"node": ctx.hostname, "role": "head", "result": result, "stop_requested": asked}
     except BaseException as e:
         status["error"] = f"{type(e).__name__}: {e}"
         raise

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from launcher import progress
 from launcher.config.schema import Logging
 
 
@@ -57,13 +58,7 @@ class MetricsLogger:
         self._progress(step, row)
 
     def _progress(self, step: int, row: dict) -> None:
-        width = 24
-        filled = int(width * step / max(self.total, 1))
-        bar = "#" * filled + "." * (width - filled)
-        print(f"[{bar}] step {step}/{self.total}  reward {row.get('train/reward', float('nan')):.3f}  "
-              f"loss {row.get('train/loss', float('nan')):+.4f}  gen_kl_error "
-              f"{row.get('train/gen_kl_error', float('nan')):.2e}  step {row.get('timing/total_step', 0):.1f}s  "
-              f"refit {row.get('timing/transfer_and_update_weights', 0):.2f}s", flush=True, file=sys.stdout)
+        print(progress.step_line(step, self.total, row), flush=True, file=sys.stdout)
 
     def close(self) -> None:
         if self.tb is not None:

@@ -8,16 +8,21 @@
   in the child before exec and inherited), actors and worker tasks ignore them, so only the
   bootstrap of node 0 reacts, and Ray is stopped by PID afterwards.
 - A stopped plain-sbatch job, or a failed one with restarts left, requeues itself (`requeue`).
+- `python -m launcher.stop RUN_DIR` writes RUN/stop_requested; the bootstrap's watch loop polls it
+  (`poll_stop_request`) and stops the driver the same way, but the job does not requeue; when the
+  driver has ended, RUN/stopped.json says when and at which step (`finish_stop_request`).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
@@ -105,6 +110,57 @@ def stop_and_wait(budget_s: float) -> None:
     running_now = CURRENT
     if running_now is not None and request_stop("USR2: checkpointing at the end of this step, then requeueing"):
         running_now.thread.join(timeout=budget_s)
+
+
+STOP_FILE = "stop_requested"   # written by `python -m launcher.stop`
+STOPPED_FILE = "stopped.json"  # written when the driver ended because of it
+
+
+def write_stop_request(run_dir: Path, by: str) -> None:
+    tmp = Path(run_dir) / (STOP_FILE + ".tmp")
+    tmp.write_text(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "by": by}) + "\n")
+    tmp.replace(Path(run_dir) / STOP_FILE)
+
+
+def stop_requested(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / STOP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_stop_request(run_dir: Path) -> None:
+    """At submission: a stop asked of an earlier job of this run is not for the new one."""
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
+def poll_stop_request(run_dir: Path) -> bool:
+    """The bootstrap's watch loop: a stop request file stops the driver after its current step."""
+    asked = stop_requested(run_dir)
+    return bool(asked) and request_stop(f"stop requested ({asked.get('by', 'python -m launcher.stop')} at "
+                                        f"{asked.get('time')}): stopping after the current step (a checkpoint "
+                                        f"is saved first); the job will not be requeued")
+
+
+def finish_stop_request(run_dir: Path, job_id: str, result: dict) -> bool:
+    """After the driver ended: if a stop request ended it, record RUN/stopped.json (and consume
+    the request); True then, and the job must not requeue."""
+    asked = stop_requested(run_dir)
+    if asked is None:
+        return False
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": job_id, "step": result.get("step"),
+              "stopped": bool(result.get("stopped")), "requested": asked}
+    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps(record) + "\n")
+    clear_stop_request(run_dir)
+    _say(f"stopped on request at step {result.get('step')}; not requeued")
+    return True
+
+
+def read_stopped(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / STOPPED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def requeue(job_id: str) -> None:

@@ -1,0 +1,283 @@
+"""`python -m launcher.status [RUN_DIR | SWEEP_DIR | RUN_ROOT | key=value ...] [--watch [S]] [--json]`
+
+For each run: its Slurm job and state (squeue while the controller lists it, then sacct), attempts
+(Slurm's restart count) and failures (failures.jsonl), step / max_num_steps, the last reward and
+validation reward, seconds per step and an ETA, the newest complete checkpoint, the last failure
+line and where the logs are. A run of the local topology is read from its run directory alone.
+With key=value overrides (`run.name=NAME`, `topology=slurm_3n ...`) the run directory is the one
+the launcher would use; with nothing, every run under run.root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher import progress
+
+TERMINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+            "PREEMPTED", "REVOKED", "TIMEOUT", "ENDED"}
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# ------------------------------------------------------------------------------- reading a run
+def jsonl(path: Path) -> list[dict]:
+    """The complete lines of a JSONL file (a line being written is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _slurm(*cmd: str) -> str | None:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def slurm_job(job_id: str) -> dict:
+    """{"state", "reason", "restarts", "source"}: squeue while queued or running, else sacct."""
+    out = _slurm("squeue", "-h", "-j", job_id, "-o", "%T|%r")
+    if out and out.strip():
+        state, _, reason = out.strip().splitlines()[0].partition("|")
+        shown = _slurm("scontrol", "show", "job", "-o", job_id) or ""
+        m = re.search(r"\bRestarts=(\d+)", shown)
+        return {"state": state, "reason": "" if reason in ("None", "") else reason,
+                "restarts": int(m.group(1)) if m else 0, "source": "squeue"}
+    out = _slurm("sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State")
+    rows = [ln.split()[0] for ln in (out or "").splitlines() if ln.strip()]
+    if rows:  # -D: one row per requeued instance of the job
+        return {"state": rows[-1], "reason": "", "restarts": len(rows) - 1, "source": "sacct"}
+    return {"state": "UNKNOWN" if out is None else "SUBMITTED", "reason": "" if out is not None else
+            "squeue/sacct unavailable here", "restarts": 0, "source": None}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def local_job(run_dir: Path) -> dict:
+    """A local run's state from its newest rendezvous folder ray/local-<pid>.<attempt>/."""
+    dirs = sorted((run_dir / "ray").glob("local-*.*"), key=lambda p: p.stat().st_mtime)
+    if not dirs:
+        return {"job_id": None, "state": "NOT STARTED", "reason": "", "restarts": 0, "source": "run dir"}
+    newest = dirs[-1]
+    job_id, _, attempt = newest.name.rpartition(".")
+    done = newest / "done"
+    if done.is_file():
+        ok = json.loads(done.read_text()).get("ok")
+        state = "COMPLETED" if ok else "FAILED"
+    elif _alive(int(job_id.split("-", 1)[1])):
+        state = "RUNNING"
+    else:
+        state = "ENDED"  # the process is gone without writing `done` (killed)
+    return {"job_id": job_id, "state": state, "reason": "", "restarts": int(attempt or 0), "source": "run dir"}
+
+
+def newest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The newest step_N with its manifest (written last: the checkpoint is complete)."""
+    from launcher.driver.checkpoints import MANIFEST
+
+    found = [(int(m.group(1)), p) for p in (ckpt_root.iterdir() if ckpt_root.is_dir() else [])
+             if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
+    return max(found)[1] if found else None
+
+
+def collect(run_dir: Path, slurm: bool = True) -> dict:
+    """Everything the status view shows of one run, as plain data (what --json prints)."""
+    from launcher import paths
+    from launcher.config import compose as config_mod
+    from launcher.config.schema import typed
+    from launcher.job import stop as stop_mod
+
+    run_dir = Path(run_dir).resolve()
+    saved = config_mod.load(run_dir / "config.yaml")
+    total = int(saved.grpo.max_num_steps)
+    executor = str(saved.topology.executor)
+    submissions = jsonl(run_dir / "submissions.jsonl")
+    failures = jsonl(run_dir / "failures.jsonl")
+    if executor == "slurm":
+        job_id = submissions[-1]["job_id"] if submissions else None
+        job = {"state": "NOT SUBMITTED", "reason": "", "restarts": 0, "source": None}
+        if job_id and slurm:
+            job = slurm_job(str(job_id))
+        job["job_id"] = job_id
+    else:
+        job = local_job(run_dir)
+    rows = [r for r in jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    last = rows[-1] if rows else {}
+    vals = [v for r in rows if (v := progress.val_reward(r)) is not None]
+    sps = progress.seconds_per_step(rows)
+    step = int(last.get("step", 0))
+    ckpt = newest_checkpoint(paths.checkpoint_dirs(typed(saved), run_dir))
+    stopped = stop_mod.read_stopped(run_dir)
+    if stopped and stopped.get("job") != job.get("job_id"):
+        stopped = None  # an earlier job of this run was stopped, not this one
+    jid = job.get("job_id")
+    logs = [p for p in ([run_dir / "submitit" / str(jid) / f"{jid}_0_log.out",
+                         run_dir / "submitit" / str(jid) / f"{jid}_0_log.err",
+                         run_dir / "logs" / f"sbatch-{jid}.out"] if jid else []) if p.is_file()]
+    return {
+        "run": run_dir.name, "run_dir": str(run_dir), "executor": executor,
+        "job_id": jid, "state": job["state"], "reason": job["reason"], "source": job["source"],
+        "attempts": job["restarts"] + 1 if jid else 0, "requeues": job["restarts"],
+        "submissions": len(submissions), "failures": len(failures),
+        "last_failure": _last_failure(failures, job["state"], logs),
+        "step": step, "max_num_steps": total,
+        "reward": last.get("train/reward"), "val_reward": vals[-1] if vals else None,
+        "seconds_per_step": sps, "eta_s": progress.eta(step, total, sps) if job["state"] == "RUNNING" else None,
+        "checkpoint": str(ckpt) if ckpt else None,
+        "stop_requested": stop_mod.stop_requested(run_dir), "stopped": stopped,
+        "logs": [str(p) for p in logs] + [str(run_dir / "logs")],
+        "last_row": last,
+    }
+
+
+def _last_failure(failures: list[dict], state: str, logs: list[Path]) -> str | None:
+    if failures:
+        f = failures[-1]
+        return f"{f.get('time', '')} job {f.get('job', '?')}: {str(f.get('error', '')).splitlines()[0]}"
+    if state in ("FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "ENDED"):
+        for log in reversed(logs):
+            errors = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("error:")]
+            if errors:
+                return errors[-1]
+    return None
+
+
+# ------------------------------------------------------------------------------- which runs
+def runs_of(args: list[str]) -> list[Path]:
+    """RUN_DIR, SWEEP_DIR (its sweep.jsonl), a folder of runs, or key=value overrides."""
+    from launcher import paths
+    from launcher.config import compose as config_mod
+    from launcher.config.compose import ConfigError
+    from launcher.config.schema import typed
+    from launcher.sweep import read as read_sweep
+
+    overrides = [a for a in args if "=" in a and not Path(a).exists()]
+    folders = [Path(a) for a in args if a not in overrides]
+    if overrides or not folders:
+        root_only = not overrides
+        cfg = typed(config_mod.compose(overrides))
+        if not root_only:
+            return [paths.run_dir(cfg)]
+        folders = [Path(cfg.run.root).expanduser().resolve()]
+    out: list[Path] = []
+    for d in folders:
+        if (d / "config.yaml").is_file():
+            out.append(d.resolve())
+        elif (d / "sweep.jsonl").is_file():
+            out += [Path(r["run_dir"]) for r in read_sweep(d)]
+        elif d.is_dir():
+            found = sorted(p.parent for p in d.glob("*/config.yaml"))
+            if not found:
+                raise ConfigError(str(d), "no run directory here (no config.yaml, sweep.jsonl or runs below)")
+            out += found
+        else:
+            raise ConfigError(str(d), "does not exist (give a run directory, a sweep directory or run.name=NAME)")
+    return out
+
+
+# ------------------------------------------------------------------------------- showing
+def render(infos: list[dict]) -> str:
+    head = ["run", "job", "state", "attempts", "step", "reward", "val_reward", "s/step", "ETA", "checkpoint"]
+    body = []
+    for i in infos:
+        state = i["state"] + (f" ({i['reason']})" if i["reason"] else "")
+        state += ", stop requested" if i["stop_requested"] else ", stopped on request" if i["stopped"] else ""
+        body.append([i["run"], str(i["job_id"] or "-"), state, str(i["attempts"]), f"{i['step']}/{i['max_num_steps']}",
+                     _num(i["reward"]), _num(i["val_reward"]),
+                     f"{i['seconds_per_step']:.1f}" if i["seconds_per_step"] is not None else "-",
+                     progress.duration(i["eta_s"]), Path(i["checkpoint"]).name if i["checkpoint"] else "-"])
+    widths = [max(len(c) for c in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*head), *(fmt.format(*b) for b in body), ""]
+    for i in infos:
+        lines.append(f"{i['run']}: {i['run_dir']}")
+        if i["last_row"]:
+            lines.append("  " + progress.step_line(i["step"], i["max_num_steps"], i["last_row"], i["seconds_per_step"]))
+        if i["checkpoint"]:
+            lines.append(f"  newest checkpoint: {i['checkpoint']}")
+        if i["failures"] or i["last_failure"]:
+            lines.append(f"  failures: {i['failures']}; last: {i['last_failure']}")
+        if i["stopped"]:
+            s = i["stopped"]
+            lines.append(f"  stopped on request at {s.get('time')} (job {s.get('job')}, step {s.get('step')})")
+        lines.append(f"  logs: {'  '.join(i['logs'])}")
+    return "\n".join(lines)
+
+
+def _num(v) -> str:
+    return f"{float(v):.3f}" if isinstance(v, (int, float)) else "-"
+
+
+USAGE = ("usage: python -m launcher.status [RUN_DIR | SWEEP_DIR | RUN_ROOT | run.name=NAME ...] "
+         "[--watch [SECONDS]] [--json]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from launcher.config.compose import ConfigError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + "\n\n" + __doc__.split("\n", 2)[2].strip())
+        return 0
+    as_json, watch, args, i = False, None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--json":
+            as_json = True
+        elif a == "--watch" or a.startswith("--watch="):
+            value = a.partition("=")[2]
+            if not value and i + 1 < len(argv) and re.fullmatch(r"[0-9]+(\.[0-9]+)?", argv[i + 1]):
+                i += 1
+                value = argv[i]
+            try:
+                watch = float(value or 5.0)
+            except ValueError:
+                print(f"error: --watch: seconds between refreshes, got {value!r}", file=sys.stderr)
+                return 2
+        elif a.startswith("-"):
+            print(f"error: {a}: not an option\n{USAGE}", file=sys.stderr)
+            return 2
+        else:
+            args.append(a)
+        i += 1
+    try:
+        dirs = runs_of(args)
+        while True:
+            infos = [collect(d) for d in dirs]
+            if as_json:
+                print(json.dumps(infos, default=str))
+            else:
+                if watch is not None and sys.stdout.isatty():
+                    print("\033[H\033[2J", end="")
+                print(f"{time.strftime('%H:%M:%S')}  {len(infos)} run(s)\n" + render(infos), flush=True)
+            if watch is None or all(i["state"] in TERMINAL for i in infos):
+                return 0
+            time.sleep(watch)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

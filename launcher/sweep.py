@@ -1,0 +1,199 @@
+"""`python -m launcher -m a=1,2 b=x,y`: a sweep, one run (one Slurm job) per point.
+
+Expansion follows Hydra's BasicSweeper: every sweep override (`a=1,2`, `choice(...)`, `range(...)`,
+`glob(...)` over a config group's options) is parsed by Hydra's own override parser and the points
+are the cartesian product, in command-line order. `interval()` needs a sampling sweeper: refused.
+
+Each point's run is named `<its run.name>-<swept values>` (`slurm_2n-tiny_llama-dim8-lr1e-4`):
+one path component of [A-Za-z0-9._-], unique within the sweep. The sweep's record is
+`<run.root>/sweeps/<sweep>/sweep.jsonl`, one line per point (overrides, run dir, job id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.config import compose as config_mod
+from launcher.config.compose import ConfigError
+
+MAX_POINTS = 64         # --max-points N raises it
+NAME_MAX = 128          # the run-name rule's length (launcher.paths)
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass
+class Point:
+    index: int                         # 0-based, command-line order
+    overrides: list[str]               # the point's own overrides (no sweep left)
+    swept: list[tuple[str, str]]       # (key, value) of the swept keys
+    name: str = ""                     # the derived run name
+    extra: dict = field(default_factory=dict)
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.swept)
+
+
+def sweep_override(overrides: list[str]) -> str | None:
+    """The first override that is a sweep (for the message when -m is missing)."""
+    for o in _parse(overrides):
+        if o.is_sweep_override():
+            return o.input_line
+    return None
+
+
+def expand(overrides: list[str], max_points: int = MAX_POINTS) -> list[Point]:
+    """The sweep's points; ConfigError naming the override for anything Hydra cannot enumerate,
+    or when there are more than `max_points` points."""
+    from hydra.core.override_parser.types import Glob
+
+    axes: list[tuple[str, list[str], bool]] = []   # (key, values, swept)
+    for o in _parse(overrides):
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            axes.append((key, [o.input_line], False))
+            continue
+        if o.is_interval_sweep():
+            raise ConfigError(o.input_line, "interval() needs a sampling sweeper; list the values "
+                                            "(a=1,2,3) or use range(start,stop,step)")
+        if isinstance(o.value(), Glob):
+            group = o.key_or_group
+            if group not in config_mod.GROUPS:
+                raise ConfigError(o.input_line, f"glob() sweeps the options of a config group "
+                                                f"({', '.join(config_mod.GROUPS)}); {group} is not one")
+            values = o.value().filter(config_mod.group_options(group))
+        else:
+            values = list(o.sweep_string_iterator())
+        if not values:
+            raise ConfigError(o.input_line, "this sweep has no values")
+        axes.append((key, [f"{key}={v}" for v in values], True))
+    count = math.prod(len(v) for _, v, _ in axes)
+    if count > max_points:
+        sizes = " x ".join(str(len(v)) for _, v, swept in axes if swept)
+        raise ConfigError("-m", f"the sweep has {count} points ({sizes}); the limit is {max_points} "
+                                f"(raise it with --max-points={count})")
+    points = []
+    for i, combo in enumerate(itertools.product(*(v for _, v, _ in axes))):
+        swept = [(key, line.partition("=")[2]) for (key, _, s), line in zip(axes, combo) if s]
+        points.append(Point(i, list(combo), swept))
+    return points
+
+
+def run_name(base: str, point: Point) -> str:
+    """`<base>-<label><value>...`: numbers as `dim8`, other values as `mode_adapter`, a group's
+    choice as its option (`slurm_2n`, left out when the base already says it); a swept run.name
+    is the base itself."""
+    labels = _labels([k for k, _ in point.swept])
+    parts = []
+    for (key, value), label in zip(point.swept, labels):
+        bare = key.lstrip("+~")
+        value = value.strip("'\"")
+        if bare == "run.name":
+            continue
+        if bare in config_mod.GROUPS:
+            if value not in base.split("-"):
+                parts.append(value)
+        elif re.match(r"^[-+]?[0-9.]", value):
+            parts.append(f"{label}{_compact(value)}")
+        else:
+            parts.append(f"{label}_{value}")
+    name = "-".join([base, *parts]) if parts else base
+    name = _UNSAFE.sub("_", name).strip("._-") or "run"
+    if len(name) > NAME_MAX:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        name = name[: NAME_MAX - 9].rstrip("._-") + "-" + digest
+    return name
+
+
+def name_points(points: list[Point], bases: list[str]) -> None:
+    """Set every point's run name; points that would share one get `-p<index>`."""
+    names = [run_name(b, p) for p, b in zip(points, bases)]
+    seen: dict[str, int] = {}
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+    for p, n in zip(points, names):
+        if seen[n] > 1:
+            suffix = f"-p{p.index}"
+            n = n[: NAME_MAX - len(suffix)] + suffix
+        p.name = n
+
+
+def _compact(value: str) -> str:
+    """Small floats as Hydra users write them: 0.0001 -> 1e-4, 0.0003 -> 3e-4; others as given."""
+    try:
+        v = float(value)
+    except ValueError:
+        return value
+    if v == 0 or abs(v) >= 1e-2 or not re.fullmatch(r"[-+]?[0-9.eE+-]+", value):
+        return value
+    mantissa, _, exp = f"{v:.6e}".partition("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exp)}"
+
+
+def _labels(keys: list[str]) -> list[str]:
+    """peft.dim -> dim; the full key (dots as _) where two keys would share a label."""
+    short = [k.lstrip("+~").split("@")[0].rsplit(".", 1)[-1] for k in keys]
+    return [k.lstrip("+~").replace(".", "_") if short.count(s) > 1 else s for k, s in zip(keys, short)]
+
+
+def sweep_dir(run_root: Path, base: str) -> Path:
+    """`<run.root>/sweeps/<base>-<YYYYmmdd-HHMMSS>` (a fresh folder per sweep)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    d = run_root / "sweeps" / f"{_UNSAFE.sub('_', base)}-{stamp}"
+    n = 1
+    while d.exists():
+        n += 1
+        d = run_root / "sweeps" / f"{_UNSAFE.sub('_', base)}-{stamp}-{n}"
+    return d
+
+
+def record(path: Path, point: Point, run_dir: Path, job_id: str | None, state: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"point": point.index, "overrides": point.overrides,
+                            "swept": dict(point.swept), "run_name": point.name, "run_dir": str(run_dir),
+                            "job_id": job_id, "state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                + "\n")
+
+
+def read(sweep_dir: Path) -> list[dict]:
+    """The sweep's points (the last line per point wins)."""
+    path = sweep_dir / "sweep.jsonl"
+    rows: dict[int, dict] = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if line.strip():
+            r = json.loads(line)
+            rows[r["point"]] = r
+    return [rows[k] for k in sorted(rows)]
+
+
+def table(points: list[Point], rows: list[dict]) -> str:
+    """point | swept values | run name | job/state."""
+    keys = [k for k, _ in points[0].swept] if points else []
+    head = ["#", *keys, "run", "job"]
+    body = [[str(p.index), *[v for _, v in p.swept], p.name, r.get("job_id") or r.get("state", "")]
+            for p, r in zip(points, rows)]
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*row) for row in [head, *body])
+
+
+def _parse(overrides: list[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    out = []
+    for o in overrides:
+        try:
+            out.extend(parser.parse_overrides([o]))
+        except OverrideParseException:
+            raise ConfigError(o, "cannot parse this override (expected key=value or a sweep a=1,2; quote "
+                                 "values with special characters: key='a b')") from None
+    return out
