@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,9 +37,66 @@ def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
     return out
 
 
+# squeue states after which a job never runs again; any other listed state still owns the run dir
+_FINISHED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+             "TIMEOUT", "REVOKED"}
+
+
+def slurm_state(job_id: str) -> str | None:
+    """The job's state as squeue shows it, or None (finished, unknown, or no Slurm here)."""
+    try:
+        p = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = p.stdout.split() if p.returncode == 0 else []
+    return words[0] if words else None
+
+
+def active_job(run_dir: Path) -> tuple[str, str] | None:
+    """(job id, state) of a job recorded in submissions.jsonl that is still queued or running."""
+    try:
+        lines = (run_dir / "submissions.jsonl").read_text().splitlines()[-5:]
+    except OSError:
+        return None
+    ids = []
+    for line in lines:
+        try:
+            ids.append(str(json.loads(line)["job_id"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    for job in reversed(dict.fromkeys(ids)):
+        state = slurm_state(job)
+        if state is not None and state not in _FINISHED:
+            return job, state
+    return None
+
+
+def _claim(cfg: Config, run_dir: Path, ckpts: Path) -> None:
+    """Refuse a run directory that another job still uses, or whose checkpoints live elsewhere."""
+    job = active_job(run_dir)
+    if job is not None:
+        raise ConfigError("run.name", f"{run_dir} belongs to job {job[0]} ({job[1]}), which reads its config.yaml "
+                                      f"when it starts or requeues; wait for it, scancel {job[0]}, or use "
+                                      f"run.name=<new name>")
+    saved = run_dir / "config.yaml"
+    if cfg.resume is None and saved.is_file():
+        try:
+            before = (OmegaConf.load(saved).get("checkpointing") or {}).get("dir")
+        except Exception:  # noqa: BLE001 - an unreadable old config: the checks below still hold
+            return
+        old = paths.absolute(before) if before else run_dir / "checkpoints"
+        steps = sorted(p.name for p in old.glob("step_*")) if old != ckpts and old.is_dir() else []
+        if steps:
+            raise ConfigError("checkpointing.dir", f"{run_dir} is a run whose checkpoints are in {old} "
+                                                   f"({', '.join(steps[-3:])}); continue it with checkpointing.dir="
+                                                   f"{before or 'null'} +resume=latest, or start fresh with "
+                                                   f"run.name=<new name>")
+
+
 def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, spec: sbatch.JobSpec | None) -> None:
     """Check the run directory may be used, then write config.yaml, plan.txt and ray_job.sbatch."""
     ckpts = checkpoint_dirs(cfg, run_dir)
+    _claim(cfg, run_dir, ckpts)
     if cfg.resume is not None:
         from launcher.driver.checkpoints import CheckpointManager, check_compatible
 

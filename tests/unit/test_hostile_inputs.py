@@ -36,9 +36,13 @@ class Case:
     unchanged: tuple[str, ...] = ()                # more paths (repo-relative) that must not change
 
 
-def _ckpt(run: str, step: int, info: dict | None = None):
-    """A complete-looking checkpoint RUN/checkpoints/step_N written with the real manager."""
+def _ckpt(run: str, step: int, info: dict | None = None, saved_config: bool = False):
+    """A complete-looking checkpoint RUN/checkpoints/step_N written with the real manager (and
+    RUN/config.yaml as a launch saves it, with `saved_config`)."""
     def setup(sandbox: Path) -> None:
+        if saved_config:
+            (sandbox / "runs" / run).mkdir(parents=True, exist_ok=True)
+            (sandbox / "runs" / run / "config.yaml").write_text("checkpointing:\n  dir: null\n")
         from launcher.config.schema import Checkpointing
         from launcher.driver.checkpoints import CheckpointManager
 
@@ -71,6 +75,12 @@ CASES = [
          "checkpointing.dir: must not contain '%'"),
     Case("ckdir-empty", ["checkpointing.dir=''", "submit=false", *SLURM], 2, "checkpointing.dir: is empty"),
     Case("resume-missing-relative", ["+resume=../nowhere", "submit=false", *SLURM], 2, "resume: "),
+    # 4: one run directory, one job (a queued/running job is refused in tests/slurm/test_run_dir_on_slurm.py)
+    Case("other-checkpoint-dir", ["run.name=r4", "checkpointing.dir={root}/elsewhere", *SLURM, "submit=false"], 2,
+         "checkpointing.dir: {root}/r4 is a run whose checkpoints are in {root}/r4/checkpoints (step_5); continue "
+         "it with checkpointing.dir=null +resume=latest", setup=_ckpt("r4", 5, saved_config=True)),
+    Case("fresh-over-checkpoints", ["run.name=r4", *SLURM, "submit=false"], 2,
+         "run.name: {root}/r4 already holds checkpoints (step_5)", setup=_ckpt("r4", 5, saved_config=True)),
     # 5: Slurm option strings: options the launcher manages cannot be set through extra_sbatch
     *[Case(f"extra-{k}", [f"+slurm.extra_sbatch.{k}={v}", "submit=false", *SLURM], 2,
            f"slurm.extra_sbatch.{k}: {what}")
@@ -163,7 +173,8 @@ def test_hostile_input(case: Case, sandbox, capsys):
     err = capsys.readouterr().err
     assert rc == case.rc, err
     lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: " + case.message), err
+    message = case.message.replace(ROOT, str(sandbox / "runs"))
+    assert len(lines) == 1 and lines[0].startswith("error: " + message), err
     assert "Traceback" not in err
     if rc == 2:
         assert snapshot(*watched) == before
