@@ -14,10 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config.compose import ConfigError
-from launcher.config.schema import Topology
-
-TRAIN_SLOT = "train_slot"
-GENERATION_SLOT = "generation_slot"
+from launcher.config.schema import GENERATION_SLOT, TRAIN_SLOT, Topology
 NODE_RESOURCE_UNITS = 1000  # `node_<i>` units per node; an actor asks for 1
 
 

@@ -13,6 +13,11 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 
+# Ray custom resources of the placement (launcher.plan): a node offers one unit per trainer rank /
+# vLLM worker it hosts; actors ask for them (workers may not import launcher.plan, so they live here).
+TRAIN_SLOT = "train_slot"
+GENERATION_SLOT = "generation_slot"
+
 
 class ConfigError(Exception):
     """A user mistake in the config: one line naming the key and what is allowed."""
@@ -145,6 +150,10 @@ class Optim:
     use_distributed_optimizer: Any = "auto"
 
 
+REFIT_MODES = ("merged", "merged_delta", "adapter")  # workers.refit.wire documents each
+REFIT_TRANSPORTS = ("auto", "ray", "gloo", "nccl")   # auto: nccl on cuda, ray on cpu (workers.refit.control)
+
+
 @dataclass
 class Refit:
     mode: str = "merged"
@@ -188,12 +197,14 @@ class Run:
 
 @dataclass
 class Vllm:
+    """Also the defaults of workers.generator.actor.GeneratorConfig (it inherits these fields)."""
+
     dtype: str = "float32"
     max_model_len: int = 512
     enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.6
-    kv_cache_memory_bytes: int = 64 * 2**20
-    max_lora_rank: int = 16
+    gpu_memory_utilization: float = 0.6       # cuda only
+    kv_cache_memory_bytes: int = 64 * 2**20   # cpu only: small KV cache, fast start
+    max_lora_rank: int = 16                   # adapter refit
 
 
 @dataclass

@@ -16,7 +16,7 @@ from launcher import paths
 from launcher import plan as plan_mod
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
-from launcher.config.schema import Config
+from launcher.config.schema import REFIT_MODES, REFIT_TRANSPORTS as TRANSPORTS, Config
 
 # Megatron module paths (inside decoder.layers.N) that LoRA may wrap, per model family.
 LORA_MODULES = {
@@ -29,8 +29,6 @@ FAMILIES = tuple(LORA_MODULES)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
-REFIT_MODES = ("merged", "merged_delta", "adapter")
-TRANSPORTS = ("auto", "ray", "gloo", "nccl")
 DATASETS = ("say_number", "math_add")
 REWARDS = ("say_number", "math_answer")
 JOBS = ("grpo", "placement_smoke", "hold")

@@ -43,7 +43,7 @@ class GrpoRun:
     def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from workers.refit import wire as refit
+        from workers.refit import control as refit
         from workers.generator.actor import GeneratorConfig
         from workers.generator.group import GeneratorGroup
         from workers.trainer.actor import TrainerConfig
@@ -99,7 +99,7 @@ class GrpoRun:
         self.ctx.progress["phase"] = name
 
     def refit(self) -> dict:
-        from workers.refit import wire as refit
+        from workers.refit import control as refit
 
         self.phase("refit")
         actors = self.trainers.actors

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from workers.refit import wire as refit
+from workers.refit.control import resolve_transport
+from workers.refit.sender import Sender
+from workers.refit.transports import BroadcastTransport
 from workers.refit.wire import RefitLayout, TensorMeta, plan_buckets
 
 
@@ -76,11 +79,11 @@ def test_guard_rejects_unmerged_peft_names():
 def test_unknown_mode_is_refused_and_transport_resolution():
     with pytest.raises(ValueError, match="unknown refit mode"):
         refit.kind_of("merged_lora")
-    assert refit.resolve_transport("auto", "cpu") == "ray"
-    assert refit.resolve_transport("auto", "cuda") == "nccl"
-    assert refit.resolve_transport("gloo", "cpu") == "gloo"
+    assert resolve_transport("auto", "cpu") == "ray"
+    assert resolve_transport("auto", "cuda") == "nccl"
+    assert resolve_transport("gloo", "cpu") == "gloo"
     with pytest.raises(ValueError, match="unknown refit transport"):
-        refit.resolve_transport("tcp", "cpu")
+        resolve_transport("tcp", "cpu")
 
 
 class _Producer:
@@ -100,18 +103,18 @@ def _free_port() -> int:
 
 
 def test_broadcast_transport_over_gloo_sends_layout_once():
-    """trainer_payload over a gloo BroadcastGroup (the cuda path with backend nccl) to one receiver."""
-    port, received, errors = _free_port(), [], []
+    """Sender.payload over a gloo BroadcastTransport (the cuda path with backend nccl) to one receiver."""
+    port, received, errors, sender = _free_port(), [], [], Sender()
     first = _named()
     second = [(n, t + 1 if t.is_floating_point() else t) for n, t in first]
 
     def receiver():
         try:
-            group = refit.BroadcastGroup("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout_s=60)
+            transport = BroadcastTransport.join("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout_s=60)
             layouts = {}
             for _ in range(2):
-                spec = refit.RefitPayload.expect_broadcast("merged").to_spec()
-                layout, stream, _ = refit.receive_named(spec, layouts, group)
+                spec = BroadcastTransport.expect("merged").to_spec()
+                layout, stream, _ = transport.receive(spec, layouts)
                 received.append([(n, t.clone()) for n, t in stream])
         except Exception as e:  # surfaced by the main thread
             errors.append(e)
@@ -119,12 +122,12 @@ def test_broadcast_transport_over_gloo_sends_layout_once():
     thread = threading.Thread(target=receiver)
     thread.start()
     try:
-        refit.open_sender_group("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60)
-        p1 = refit.trainer_payload(_Producer(first), "merged", bucket_mb=0.001)
-        p2 = refit.trainer_payload(_Producer(second), "merged", bucket_mb=0.001)
+        sender.open_group("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60)
+        p1 = sender.payload(_Producer(first), "merged", bucket_mb=0.001)
+        p2 = sender.payload(_Producer(second), "merged", bucket_mb=0.001)
     finally:
         thread.join(60)
-        refit.close_sender_group()
+        sender.close_group()
     assert not errors, errors
     assert p1.transport == p2.transport == "broadcast" and p1.bytes == p2.bytes > 0
     assert p1.layout_bytes > 0 and p2.layout_bytes == 0  # (name, shape, dtype) only the first time

@@ -1,0 +1,69 @@
+"""Refit, trainer side: what trainer rank 0 runs to ship its weights (or LoRA factors) to the generators.
+
+The trainer actor holds one `Sender`. It sends through the Ray object store until the driver opens
+the broadcast group (`open_group`, on rank 0; `control.connect`), then through that group until
+`close_group`. Changing the transport forgets what was sent, so the next refit resends the layout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from workers.lora import layout as lora_layout
+from workers.refit.transports import BroadcastTransport, RayTransport
+from workers.refit.wire import RefitPayload, kind_of, lora_stream
+
+
+def _model_layout(trainer) -> lora_layout.ModelLayout:
+    """Attention numbers from lora_config(); the family from it or from the HF config."""
+    cfg = dict(trainer.lora_config())
+    if "family" not in cfg:
+        return lora_layout.ModelLayout.from_hf_config(trainer.cfg.model_path)
+    return lora_layout.ModelLayout.from_model_section(cfg)
+
+
+class Sender:
+    """Trainer rank 0's end of refit (every rank calls `payload`: the exports are collectives)."""
+
+    def __init__(self):
+        self.transport: RayTransport | BroadcastTransport = RayTransport()
+
+    def open_group(self, host: str, port: int, world_size: int, backend: str = "nccl",
+                   timeout_s: float = 600.0) -> None:
+        """On trainer rank 0: host the refit group (blocks until every vLLM worker has joined)."""
+        self.transport = BroadcastTransport.host(host, port, world_size, backend, timeout_s)
+
+    def close_group(self) -> None:
+        self.transport = RayTransport()
+
+    def payload(self, trainer, mode: str, bucket_mb: float) -> RefitPayload | None:
+        """Runs on every trainer rank; rank 0 ships and returns the payload (None elsewhere).
+
+        trainer: has export_merged() (merged) or adapter_state() + lora_config() (LoRA modes), and
+        `rank` (0 if absent).
+        """
+        t0 = time.perf_counter()
+        kind = kind_of(mode)
+        rank = getattr(trainer, "rank", 0)
+        if kind == "weights":
+            named: Iterable[tuple[str, torch.Tensor]] = trainer.export_merged()  # guarded there
+            groups, dim, alpha = (), 0, 0.0
+            if rank != 0:
+                for _ in named:  # drain: the export is collective over the model-parallel group
+                    pass
+                return None
+        else:
+            state = trainer.adapter_state()
+            if rank != 0:
+                return None
+            if not state:
+                raise ValueError(f"refit mode {mode!r} needs LoRA, but the trainer has no adapter weights")
+            dim, alpha = lora_layout.lora_numbers(trainer.lora_config())
+            named, groups = lora_stream(lora_layout.hf_lora_groups(_model_layout(trainer), state))
+        bucket_bytes = max(1, int(bucket_mb * 2**20))
+        payload = self.transport.send(mode, kind, named, tuple(groups), dim, alpha, bucket_bytes)
+        payload.sender_s = time.perf_counter() - t0
+        return payload
