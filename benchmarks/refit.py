@@ -21,12 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from launcher.config.schema import GENERATION_SLOT, REFIT_MODES, TRAIN_SLOT
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TARGETS = {"attention": ["linear_qkv", "linear_proj"],
            "all linears": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
-MODES = ("merged", "merged_delta", "adapter")
 
 
 def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
@@ -54,7 +55,7 @@ def generate_seconds(generators, prompts: int = 16, tokens: int = 32) -> float:
 
 
 def trainer_group(model_dir: Path, targets: list[str], dim: int, alpha: float):
-    from workers.trainer.actor import TrainerConfig
+    from workers.trainer.config import TrainerConfig
     from workers.trainer.group import TrainerGroup
 
     peft = {"enabled": True, "target_modules": targets, "dim": dim, "alpha": alpha, "dropout": 0.0,
@@ -66,7 +67,7 @@ def trainer_group(model_dir: Path, targets: list[str], dim: int, alpha: float):
 
 
 def time_mode(trainers, generators, mode: str, bucket_mb: float, repeats: int) -> dict:
-    from workers.refit import wire as refit
+    from workers.refit import control as refit
 
     def once():
         return refit.run_refit(lambda: [a.refit_payload.remote(mode, bucket_mb) for a in trainers.actors],
@@ -89,14 +90,14 @@ def run(models: list[str], repeats: int, bucket_mb: float, dim: int, alpha: floa
     from workers.generator.group import GeneratorGroup
 
     cpu_shim.apply("cpu")  # payload objects come from a megatron process (see docs/benchmarks.md)
-    ray.init(num_cpus=4, resources={"train_slot": 1, "generation_slot": 2}, include_dashboard=False,
+    ray.init(num_cpus=4, resources={TRAIN_SLOT: 1, GENERATION_SLOT: 2}, include_dashboard=False,
              object_store_memory=1536 * 2**20, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     rows = []
     try:
         for model in models:
             model_dir = tiny_models.build(cache / model, model)
-            slot = [{"resources": {"generation_slot": 1}, "num_cpus": 1}]
+            slot = [{"resources": {GENERATION_SLOT: 1}, "num_cpus": 1}]
             plain = GeneratorGroup(GeneratorConfig(model=str(model_dir)), slot, ready_timeout_s=600)
             lora = GeneratorGroup(GeneratorConfig(model=str(model_dir), enable_lora=True, max_lora_rank=dim),
                                   slot, ready_timeout_s=600)
@@ -104,7 +105,7 @@ def run(models: list[str], repeats: int, bucket_mb: float, dim: int, alpha: floa
                 for label, targets in TARGETS.items():
                     trainers = trainer_group(model_dir, targets, dim, alpha)
                     try:
-                        for mode in MODES:
+                        for mode in REFIT_MODES:
                             result = time_mode(trainers, lora if mode == "adapter" else plain, mode, bucket_mb, repeats)
                             rows.append({"model": model, "targets": label, "mode": mode, **result})
                             print(f"  {model:11s} {label:11s} {mode:12s} {result['bytes'] / 2**20:9.2f} MiB "

@@ -37,9 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from launcher.config.schema import REFIT_MODES as MODES
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-MODES = ("merged", "merged_delta", "adapter")
 PHASES = [("generation", "timing/generation"), ("logprobs", "timing/logprobs"), ("training", "timing/training"),
           ("refit", "timing/transfer_and_update_weights")]
 PROGRESS = re.compile(r"\] step (\d+)/(\d+) ")

@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.refit import wire as refit
 from launcher.driver.agreement import agreement_metrics
+from tests.helpers.generator import RecordingGenerator, recording_config
 from workers.generator.actor import GeneratorConfig
 from workers.generator.group import GeneratorGroup
+from workers.refit import control as refit
 
 pytestmark = pytest.mark.integration
 
@@ -146,8 +147,9 @@ def refit_from(trainers, group, mode, bucket_mb=0.05, **apply_kwargs):
 
 @pytest.fixture(scope="module")
 def engines(local_ray, model_dir):
-    group = GeneratorGroup(GeneratorConfig(model=model_dir, kv_cache_memory_bytes=32 * 2**20), [SLOT, SLOT],
-                           ready_timeout_s=300)
+    # the recording subclasses (tests/helpers) add refit_record / refit_recorded to the engines
+    group = GeneratorGroup(recording_config(model=model_dir, kv_cache_memory_bytes=32 * 2**20), [SLOT, SLOT],
+                           ready_timeout_s=300, actor_cls=RecordingGenerator)
     yield group
     group.shutdown()
 

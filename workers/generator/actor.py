@@ -29,27 +29,26 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
+from launcher.config.schema import Vllm
+from workers.refit.transports import BroadcastTransport, RayTransport
+
 EXTENSION = "workers.refit.vllm_extension.RefitWorkerExtension"
 _GROUP_ONLY_KEYS = ("nodes", "ranks_per_node", "engines")  # topology.generation keys the group uses
 
 
-@dataclass
-class GeneratorConfig:
-    """One engine. Field names are the config keys: `vllm:` and `topology.generation.tensor_parallel`."""
+@dataclass(kw_only=True)
+class GeneratorConfig(Vllm):
+    """One engine. Field names are the config keys: `vllm:` (schema.Vllm: the fields and defaults
+    inherited from there) and `topology.generation.tensor_parallel`."""
 
     model: str                                # HF checkpoint directory
     device: str = "cpu"                       # cpu | cuda
-    dtype: str = "float32"
-    max_model_len: int = 512
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.6       # cuda only
-    kv_cache_memory_bytes: int = 64 * 2**20   # cpu only: small KV cache, fast start
-    max_lora_rank: int = 16                   # adapter refit
     tensor_parallel: int = 1
     enable_lora: bool = False                 # True for refit.mode=adapter
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"       # raw_logprobs | processed_logprobs
     adapter_dir: str | None = None            # node-local dir for adapter refits; None: a temp dir
+    worker_extension: str = EXTENSION         # class path vLLM mixes into its workers (refit's receiver)
 
     @classmethod
     def from_sections(cls, model: str, vllm: Mapping[str, Any], generation: Mapping[str, Any] | None = None,
@@ -69,7 +68,7 @@ class GeneratorConfig:
         """Keyword arguments of vllm.LLM for this config."""
         kw: dict[str, Any] = dict(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                                   enforce_eager=self.enforce_eager, seed=self.seed,
-                                  logprobs_mode=self.logprobs_mode, worker_extension_cls=EXTENSION)
+                                  logprobs_mode=self.logprobs_mode, worker_extension_cls=self.worker_extension)
         if self.device == "cpu":
             kw.update(distributed_executor_backend="uni", kv_cache_memory_bytes=self.kv_cache_memory_bytes)
         else:
@@ -113,7 +112,7 @@ class VllmGenerator:
         self._adapter_id = 0
         self._adapter_root = config.adapter_dir or os.path.join(tempfile.gettempdir(), "vllm_refit_adapters",
                                                                 uuid.uuid4().hex[:12])
-        self.transport = "ray"
+        self.transport = RayTransport.name
 
     def info(self) -> dict:
         import socket
@@ -151,14 +150,14 @@ class VllmGenerator:
         """Join trainer rank 0's broadcast group (every vLLM worker of this engine joins)."""
         ranks = self.llm.collective_rpc("refit_open_group",
                                         args=(host, port, world_size, rank_offset, backend, timeout_s))
-        self.transport = "broadcast"
+        self.transport = BroadcastTransport.name
         return ranks
 
     def num_workers(self) -> int:
         return self.config.tensor_parallel if self.config.device != "cpu" else 1
 
     def apply_refit(self, payload, *, reset_prefix_cache: bool = True) -> dict:
-        """Apply one refit (a refit.RefitPayload) to every worker of this engine.
+        """Apply one refit (a wire.RefitPayload) to every worker of this engine.
 
         reset_prefix_cache=False exists only for the test that proves the reset is needed.
         """
@@ -189,13 +188,6 @@ class VllmGenerator:
             self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
         self.llm.llm_engine.add_lora(new)  # load now: the refit time includes it, errors surface here
         self._lora_request = new
-
-    # ------------------------------------------------------------------ test support
-    def refit_record(self, on: bool) -> None:
-        self.llm.collective_rpc("refit_record", args=(on,))
-
-    def refit_recorded(self) -> dict:
-        return self.llm.collective_rpc("refit_recorded")[0]
 
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from workers.generator.actor import Generation, GeneratorConfig, VllmGenerator
+from workers.refit.transports import BroadcastTransport, RayTransport
 
 
 def split_evenly(n: int, parts: int) -> list[slice]:
@@ -28,23 +29,24 @@ def split_evenly(n: int, parts: int) -> list[slice]:
 
 class GeneratorGroup:
     def __init__(self, config: GeneratorConfig | Mapping[str, Any], actor_options: Sequence[Mapping[str, Any]],
-                 ready_timeout_s: float | None = None):
+                 ready_timeout_s: float | None = None, actor_cls: type = VllmGenerator):
         """Starts the engines and waits until all are up (at most ready_timeout_s, e.g. when the
-        cluster lacks the resources the options ask for; None waits forever)."""
+        cluster lacks the resources the options ask for; None waits forever). actor_cls: VllmGenerator
+        or a subclass of it (tests add methods to inspect the engine)."""
         import ray
 
         if not actor_options:
             raise ValueError("GeneratorGroup needs one .options() dict per engine")
         self.config = config if isinstance(config, GeneratorConfig) else GeneratorConfig(**config)
-        actor_cls = ray.remote(VllmGenerator)
-        self.actors = [actor_cls.options(**dict(opts)).remote(self.config) for opts in actor_options]
+        remote_cls = ray.remote(actor_cls)
+        self.actors = [remote_cls.options(**dict(opts)).remote(self.config) for opts in actor_options]
         try:
             self.infos = ray.get([a.info.remote() for a in self.actors], timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
             raise TimeoutError(f"vLLM engines not up after {ready_timeout_s}s; options asked for: "
                                f"{list(actor_options)}; cluster has {ray.available_resources()}") from None
-        self.transport = "ray"
+        self.transport = RayTransport.name
 
     @property
     def engines(self) -> int:
@@ -82,7 +84,7 @@ class GeneratorGroup:
     def open_refit_group(self, host: str, port: int, backend: str, rank_offset: int = 1,
                          timeout_s: float = 600.0) -> tuple[int, list]:
         """Start joining the broadcast group: returns (world_size, ObjectRefs). Wait on the refs
-        together with rank 0's open_sender_group(host, port, world_size, backend): the rendezvous
+        together with trainer rank 0's open_refit_group(host, port, world_size, backend): the rendezvous
         blocks every member (and each engine actor) until all ranks have arrived."""
         import ray
 
@@ -92,7 +94,7 @@ class GeneratorGroup:
         for actor, count in zip(self.actors, counts):
             refs.append(actor.open_refit_group.remote(host, port, world_size, offset, backend, timeout_s))
             offset += count
-        self.transport = "broadcast"
+        self.transport = BroadcastTransport.name
         return world_size, refs
 
     def call(self, method: str, *args, **kwargs) -> list:

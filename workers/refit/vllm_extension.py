@@ -24,7 +24,6 @@ which then registers it as a new LoRA adapter.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -33,8 +32,11 @@ from pathlib import Path
 
 import torch
 
+from workers import hf_checkpoint
 from workers.lora import layout as lora_layout
-from workers.refit import wire as refit
+from workers.lora.peft import write_peft_adapter
+from workers.refit import wire
+from workers.refit.transports import BroadcastTransport, RayTransport
 
 _PARTIAL_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                            "vllm.model_executor.model_loader.reload.inplace")
@@ -63,23 +65,24 @@ class RefitWorkerExtension:
         """Join trainer rank 0's broadcast group as rank rank_offset + this worker's rank."""
         rank = rank_offset + int(self.rank)
         device = None if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        self._refit_group = refit.BroadcastGroup(host, port, rank, world_size, backend, timeout_s, device)
+        self._refit_receivers()[BroadcastTransport.name] = BroadcastTransport.join(
+            host, port, rank, world_size, backend, timeout_s, device)
         self._refit_layouts().clear()
         return rank
 
     # ------------------------------------------------------------------ apply
     def refit_apply(self, spec: dict) -> dict:
-        """Receive one refit (see refit.RefitPayload.to_spec) and apply it to this worker's model."""
+        """Receive one refit (see wire.RefitPayload.to_spec) and apply it to this worker's model."""
         t0 = time.perf_counter()
-        layout, named, layout_received = refit.receive_named(spec, self._refit_layouts(),
-                                                             getattr(self, "_refit_group", None))
+        wire.kind_of(spec["mode"])
+        layout, named, layout_received = self._refit_receiver(spec["transport"]).receive(spec, self._refit_layouts())
         mode = spec["mode"]
         if mode == "merged":
-            self._refit_load(refit.guard_names(named), partial=False)
+            self._refit_load(wire.guard_names(named), partial=False)
         elif mode == "merged_delta":
             self._refit_load(self._refit_merged_deltas(layout, named), partial=True)
         else:  # adapter
-            groups = list(refit.lora_groups_from_stream(layout, named))
+            groups = list(wire.lora_groups_from_stream(layout, named))
             self._refit_write_adapter(spec["adapter_dir"], groups, layout)
         return {"rank": int(self.rank), "seconds": time.perf_counter() - t0, "bytes": layout.nbytes,
                 "buckets": len(layout.buckets), "layout_received": layout_received}
@@ -89,10 +92,23 @@ class RefitWorkerExtension:
             self._refit_layout_cache = {}
         return self._refit_layout_cache
 
+    def _refit_receivers(self) -> dict:
+        """transport name -> its receiving end: the object store always, the broadcast group once joined."""
+        if not hasattr(self, "_refit_receiver_cache"):
+            self._refit_receiver_cache = {RayTransport.name: RayTransport()}
+        return self._refit_receiver_cache
+
+    def _refit_receiver(self, name: str):
+        receiver = self._refit_receivers().get(name)
+        if receiver is None:
+            if name == BroadcastTransport.name:
+                raise RuntimeError("broadcast refit, but this worker joined no refit group")
+            raise ValueError(f"unknown refit transport {name!r}")
+        return receiver
+
     def _refit_load(self, named, partial: bool) -> None:
         from vllm.platforms import current_platform
 
-        named = self._refit_recording(named)
         if current_platform.is_cpu():
             with _quiet_partial_reload() if partial else contextlib.nullcontext():
                 self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
@@ -104,9 +120,9 @@ class RefitWorkerExtension:
             process_weights_after_loading(model, self.model_runner.model_config, self._refit_device())
 
     # ------------------------------------------------------------------ merged_delta
-    def _refit_merged_deltas(self, layout: refit.RefitLayout, named):
+    def _refit_merged_deltas(self, layout: wire.RefitLayout, named):
         """Yield (HF weight name, base + scale * B @ A) for every module of every LoRA group."""
-        groups = refit.lora_groups_from_stream(layout, named)
+        groups = wire.lora_groups_from_stream(layout, named)
         bases = self._refit_bases([m for g in layout.groups for m in g.modules])
         for group in groups:
             for module, b in zip(group.hf_modules, group.lora_b):
@@ -121,19 +137,19 @@ class RefitWorkerExtension:
         missing = [m for m in modules if m not in cache]
         if missing:
             model_config = self.model_runner.model_config
-            loaded = _read_checkpoint_tensors(model_config.model, [m + ".weight" for m in missing])
+            loaded = hf_checkpoint.read_tensors(model_config.model, [m + ".weight" for m in missing])
             device = self._refit_device()
             for m in missing:
                 cache[m] = loaded[m + ".weight"].to(device=device, dtype=model_config.dtype)
         return cache
 
     # ------------------------------------------------------------------ adapter
-    def _refit_write_adapter(self, adapter_dir: str, groups, layout: refit.RefitLayout) -> None:
+    def _refit_write_adapter(self, adapter_dir: str, groups, layout: wire.RefitLayout) -> None:
         """Write the PEFT adapter atomically (every worker of a node may write the same files)."""
         final = Path(adapter_dir)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{int(self.rank)}")
-        lora_layout.write_peft_adapter(tmp, groups, layout.dim, layout.alpha,
-                                       base_model_name_or_path=str(self.model_runner.model_config.model))
+        write_peft_adapter(tmp, groups, layout.dim, layout.alpha,
+                           base_model_name_or_path=str(self.model_runner.model_config.model))
         final.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(tmp, final)
@@ -144,59 +160,9 @@ class RefitWorkerExtension:
             shutil.rmtree(previous, ignore_errors=True)
         self._refit_adapter_path = str(final)
 
-    # ------------------------------------------------------------------ test support
-    def refit_record(self, on: bool) -> None:
-        """Keep a copy of every tensor handed to the model loader (tests: merged vs merged_delta)."""
-        self._refit_recorded = {} if on else None
-
-    def refit_recorded(self) -> dict[str, torch.Tensor]:
-        return dict(getattr(self, "_refit_recorded", None) or {})
-
-    def _refit_recording(self, named):
-        recorded = getattr(self, "_refit_recorded", None)
-        if recorded is None:
-            return named
-
-        def record():
-            for name, tensor in named:
-                recorded[name] = tensor.detach().cpu().clone()
-                yield name, tensor
-
-        return record()
-
     def _refit_device(self) -> torch.device:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
             return torch.device("cpu")
         return torch.device(current_platform.device_type, torch.cuda.current_device())
-
-
-def _read_checkpoint_tensors(model_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """Named tensors from a local HF safetensors checkpoint (one file, or shards with an index).
-
-    Nemotron-H checkpoints store `backbone.` where transformers v5 / vLLM say `model.`: both match.
-    """
-    from safetensors import safe_open
-
-    root = Path(model_dir)
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        file_of = json.loads(index.read_text())["weight_map"]
-    else:
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            file_of = {key: "model.safetensors" for key in f.keys()}
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for name in names:
-        candidates = [name] + [b + name[len(a):] for a, b in (("model.", "backbone."), ("backbone.", "model."))
-                               if name.startswith(a)]
-        stored = next((c for c in candidates if c in file_of), None)
-        if stored is None:
-            raise KeyError(f"{name} is not in the checkpoint {model_dir}")
-        by_file.setdefault(file_of[stored], []).append((name, stored))
-    out = {}
-    for file, pairs in by_file.items():
-        with safe_open(str(root / file), framework="pt") as f:
-            for name, stored in pairs:
-                out[name] = f.get_tensor(stored)
-    return out
