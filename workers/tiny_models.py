@@ -48,19 +48,31 @@ RECIPES: dict[str, dict] = {
 }
 
 
-def make_tokenizer():
+# chat=True: ChatML markers and roles, and a ChatML chat template (like Qwen's instruct tokenizers)
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tokenizer(chat: bool = False):
     """A word-level fast tokenizer over WORDS (no training, deterministic, no hub)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORDS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORDS + (CHAT_TOKENS if chat else []))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation("isolated")])
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")
+    if not chat:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                       eos_token="</s>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="<|im_end|>", unk_token="<unk>",
+                                   additional_special_tokens=CHAT_TOKENS[:2])
+    fast.chat_template = CHATML
+    return fast
 
 
 def _hf_config(recipe: dict, vocab_size: int, tokenizer):
@@ -84,7 +96,8 @@ def _hf_config(recipe: dict, vocab_size: int, tokenizer):
     raise ValueError(f"unknown model family {family!r}")
 
 
-def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_std: float = 0.08) -> Path:
+def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_std: float = 0.08,
+          chat: bool = False) -> Path:
     """Write a random-weight HF checkpoint + tokenizer for `recipe` into out_dir; return it.
 
     Idempotent: an existing complete directory built from the same recipe and seed is reused.
@@ -100,11 +113,13 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
     transformers.utils.logging.disable_progress_bar()
     out = Path(out_dir)
     stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": RECIPES[recipe]}
+    if chat:
+        stamp["chat"] = True  # a ChatML tokenizer (make_tokenizer(chat=True))
     if (out / "tiny_model.json").exists() and json.loads((out / "tiny_model.json").read_text()) == stamp:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(chat)
     spec = RECIPES[recipe]
     vocab_size = max(spec.get("vocab_size", 0), len(tokenizer))
     cfg = _hf_config(spec, vocab_size, tokenizer)

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config.schema import Config, ConfigError, typed  # ConfigError: the CLI's error type
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = ("topology", "model", "peft", "grpo", "optim", "refit", "checkpointing", "slurm")
+GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "optim", "refit", "checkpointing", "slurm")
 
 
 def group_options(group: str) -> list[str]:

@@ -110,9 +110,16 @@ class Loss:
 
 
 @dataclass
-class Dataset:
-    name: str = "say_number"
-    seed: int = 0
+class DynamicSampling:
+    enabled: bool = False          # DAPO: drop prompt groups whose rewards are all equal, sample more
+    max_gen_batches: int = 4       # rounds of num_prompts_per_step prompts per step at most
+
+
+@dataclass
+class OverlongPenalty:
+    enabled: bool = False               # DAPO soft overlong punishment over the last buffer_tokens
+    buffer_tokens: Optional[int] = None  # null: max_new_tokens // 4
+    max_penalty: float = 1.0
 
 
 @dataclass
@@ -129,8 +136,36 @@ class Grpo:
     advantage_clip: Optional[float] = 50.0
     reward_scaling: RewardScaling = field(default_factory=RewardScaling)
     loss: Loss = field(default_factory=Loss)
-    dataset: Dataset = field(default_factory=Dataset)
-    reward: str = "say_number"
+    val_period: int = 0                      # validate every N steps (0: never)
+    val_at_start: bool = False
+    val_max_examples: Optional[int] = None
+    dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
+    overlong_penalty: OverlongPenalty = field(default_factory=OverlongPenalty)
+
+
+@dataclass
+class Data:
+    """Prompts: a built-in set or a .jsonl/.json/.parquet/.csv file (launcher.driver.data)."""
+
+    train: str = "say_number"
+    validation: Optional[str] = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    messages_key: Optional[str] = None
+    system_prompt: Optional[str] = None
+    max_prompt_tokens: Optional[int] = None   # null: max_total_sequence_length - max_new_tokens
+    chat_template: str = "auto"               # auto | none
+    seed: int = 0
+
+
+@dataclass
+class Reward:
+    """fn(response: str, example: dict) -> float (launcher.driver.rewards)."""
+
+    fn: str = "say_number"
+    timeout_s: float = 10.0
+    workers: int = 2                          # reward processes
+    on_error: str = "zero"                    # zero | fail
 
 
 @dataclass
@@ -237,6 +272,8 @@ class Config:
     model: Model = field(default_factory=Model)
     peft: Peft = field(default_factory=Peft)
     grpo: Grpo = field(default_factory=Grpo)
+    data: Data = field(default_factory=Data)
+    reward: Reward = field(default_factory=Reward)
     optim: Optim = field(default_factory=Optim)
     refit: Refit = field(default_factory=Refit)
     checkpointing: Checkpointing = field(default_factory=Checkpointing)

@@ -29,8 +29,6 @@ FAMILIES = tuple(LORA_MODULES)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
-DATASETS = ("say_number", "math_add")
-REWARDS = ("say_number", "math_answer")
 JOBS = ("grpo", "placement_smoke", "hold")
 
 
@@ -45,6 +43,8 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs += _peft(cfg)
     errs += _refit_and_vllm(cfg)
     errs += _grpo(cfg)
+    errs += _grpo_sampling(cfg)
+    errs += _data_and_reward(cfg, submitting)
     errs += _checkpointing_and_slurm(cfg)
     if cfg.retry.max_restarts < 0:
         errs.append(ConfigError("retry.max_restarts", f"must be 0 or more, got {cfg.retry.max_restarts}"))
@@ -235,11 +235,44 @@ def _grpo(cfg: Config) -> list[ConfigError]:
         errs.append(ConfigError("grpo.loss.ratio_clip_c", f"dual clip must be > 1 or null, got {loss.ratio_clip_c}"))
     if loss.truncated_importance_sampling_ratio is not None and loss.truncated_importance_sampling_ratio <= 0:
         errs.append(ConfigError("grpo.loss.truncated_importance_sampling_ratio", "must be positive or null"))
-    if g.dataset.name not in DATASETS:
-        errs.append(ConfigError("grpo.dataset.name", f"must be one of {', '.join(DATASETS)}, got {g.dataset.name!r}"))
-    if g.reward not in REWARDS:
-        errs.append(ConfigError("grpo.reward", f"must be one of {', '.join(REWARDS)}, got {g.reward!r}"))
     return errs
+
+
+def _grpo_sampling(cfg: Config) -> list[ConfigError]:
+    """Validation, DAPO dynamic sampling and overlong shaping (issue 11)."""
+    g = cfg.grpo
+    errs = []
+    if g.val_period < 0:
+        errs.append(ConfigError("grpo.val_period", f"must be 0 (off) or a number of steps, got {g.val_period}"))
+    elif (g.val_period or g.val_at_start) and cfg.data.validation is None:
+        errs.append(ConfigError("grpo.val_period", "validation needs data.validation=PATH (or a built-in set)"))
+    if g.val_max_examples is not None and g.val_max_examples < 1:
+        errs.append(ConfigError("grpo.val_max_examples", f"must be at least 1 or null, got {g.val_max_examples}"))
+    ds = g.dynamic_sampling
+    if ds.max_gen_batches < 1:
+        errs.append(ConfigError("grpo.dynamic_sampling.max_gen_batches", f"must be at least 1, got {ds.max_gen_batches}"))
+    if ds.enabled and g.num_generations_per_prompt < 2:
+        errs.append(ConfigError("grpo.dynamic_sampling.enabled", "needs num_generations_per_prompt >= 2 (a group of "
+                                                                 "one always has equal rewards)"))
+    op = g.overlong_penalty
+    if op.buffer_tokens is not None and not 1 <= op.buffer_tokens <= g.max_new_tokens:
+        errs.append(ConfigError("grpo.overlong_penalty.buffer_tokens", f"must be in [1, max_new_tokens = "
+                                                                       f"{g.max_new_tokens}] or null, got {op.buffer_tokens}"))
+    if op.max_penalty < 0:
+        errs.append(ConfigError("grpo.overlong_penalty.max_penalty", f"must be 0 or more, got {op.max_penalty}"))
+    return errs
+
+
+def _data_and_reward(cfg: Config, submitting: bool) -> list[ConfigError]:
+    """The prompt files and the reward function (read / imported when they exist; always when submitting)."""
+    from launcher.driver import data, rewards  # torch-free; reads files with pyarrow
+
+    errs = rewards.check(cfg.reward, submitting)
+    room = cfg.grpo.max_total_sequence_length - cfg.grpo.max_new_tokens
+    if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens > room > 0:
+        errs.append(ConfigError("data.max_prompt_tokens", f"must be at most max_total_sequence_length - "
+                                                          f"max_new_tokens = {room}, got {cfg.data.max_prompt_tokens}"))
+    return errs + data.check(cfg.data, need_answer=cfg.reward.fn in rewards.BUILTIN, submitting=submitting)
 
 
 def _checkpointing_and_slurm(cfg: Config) -> list[ConfigError]:

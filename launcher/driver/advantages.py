@@ -1,8 +1,9 @@
 """GRPO advantages: rewards of the n generations of each prompt against their group's baseline.
 
-scale rewards (e.g. [0, 1] -> [-1, 1]) -> per-prompt baseline (group mean, or the mean of the
-other generations with leave-one-out) -> optionally divide by the group's standard deviation
-(groups whose rewards are all equal get advantage 0) -> clip to +-advantage_clip.
+scale rewards (e.g. [0, 1] -> [-1, 1]) -> add DAPO's overlong penalty when on -> per-prompt
+baseline (group mean, or the mean of the other generations with leave-one-out) -> optionally
+divide by the group's standard deviation (groups whose rewards are all equal get advantage 0)
+-> clip to +-advantage_clip.
 Pure Python on plain floats: small, exact and easy to check by hand.
 """
 
@@ -24,12 +25,29 @@ def scale(rewards: list[float], s: RewardScaling) -> list[float]:
     return out
 
 
-def compute(rewards: list[float], g: Grpo) -> list[float]:
+def overlong_penalty(lengths: list[int], g: Grpo) -> list[float]:
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer, then falling linearly to
+    -max_penalty at max_new_tokens (a response that hit the limit)."""
+    op = g.overlong_penalty
+    if not op.enabled:
+        return [0.0] * len(lengths)
+    buffer = op.buffer_tokens or max(1, g.max_new_tokens // 4)
+    start = g.max_new_tokens - buffer
+    return [-op.max_penalty * min(1.0, max(0, n - start) / buffer) for n in lengths]
+
+
+def shaped(rewards: list[float], g: Grpo, penalties: list[float] | None = None) -> list[float]:
+    """Scaled rewards plus the overlong penalties (what the advantages are computed from)."""
+    r = scale(rewards, g.reward_scaling)
+    return [x + p for x, p in zip(r, penalties)] if penalties is not None else r
+
+
+def compute(rewards: list[float], g: Grpo, penalties: list[float] | None = None) -> list[float]:
     """Advantages for rewards ordered prompt-major: [p0 g0, p0 g1, ..., p1 g0, ...]."""
     n = g.num_generations_per_prompt
     if len(rewards) % n:
         raise ValueError(f"{len(rewards)} rewards is not a multiple of {n} generations per prompt")
-    r = scale(rewards, g.reward_scaling)
+    r = shaped(rewards, g, penalties)
     adv = []
     for start in range(0, len(r), n):
         group = r[start:start + n]

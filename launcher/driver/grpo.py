@@ -2,10 +2,11 @@
 
 Per step: refit if the generators' weights are stale -> generate n samples per prompt (each
 request seeded from (run seed, step, prompt, sample), so sampling does not depend on engine
-history) -> rewards -> group advantages -> the policy's logprobs of the samples (and the
-reference's, adapters disabled, when a KL penalty is on) -> one optimizer step -> checkpoint when
-due -> metrics. A stop request (preemption signal, Ctrl-C) ends the loop at a step boundary
-after a checkpoint, so no step is lost or repeated.
+history) -> rewards (with DAPO dynamic sampling: more rounds until enough informative groups)
+-> group advantages -> the policy's logprobs of the samples (and the reference's, adapters
+disabled, when a KL penalty is on) -> one optimizer step -> every grpo.val_period steps: refit and
+greedy validation -> checkpoint when due -> metrics. A stop request (preemption signal, Ctrl-C)
+ends the loop at a step boundary after a checkpoint, so no step is lost or repeated.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from omegaconf import OmegaConf
 from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext, log
 from launcher.config.schema import Config
-from launcher.driver import advantages, data, models
+from launcher.driver import advantages, data, models, rewards
 from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
 from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary
-from launcher.driver.rollout import build_batch, sample
+from launcher.driver.rollout import build_batch, collect, validation
 from launcher.driver.startup import Startup, actor_parts, start_together, step_parts, summary_text
 from launcher.paths import checkpoint_dirs
 
@@ -33,8 +34,11 @@ class GrpoRun:
         self.stop = stop or threading.Event()
         self.run_dir = ctx.run_dir
         self.ckpts = CheckpointManager(checkpoint_dirs(cfg, self.run_dir), cfg.checkpointing)
-        self.dataset = data.PromptDataset(cfg.grpo.dataset.name, cfg.grpo.dataset.seed)
-        self.reward_fn = data.REWARDS[cfg.grpo.reward]
+        self.dataset = data.PromptDataset(cfg.data.train, cfg.data.seed, cfg.data)
+        validating = cfg.data.validation is not None and (cfg.grpo.val_period or cfg.grpo.val_at_start)
+        self.val_set = data.PromptDataset(cfg.data.validation, cfg.data.seed, cfg.data, "data.validation") \
+            if validating else None
+        self.rewards = rewards.Rewards(cfg.reward, cfg.data.answer_key, self.run_dir)
         self.trainers = None
         self.generators = None
         self.startup = Startup.since_process_start(ctx.startup)  # phases end to end, see driver.startup
@@ -54,6 +58,7 @@ class GrpoRun:
         t0 = time.time()
         self.model_dir = models.ensure(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.prompts_from(self.tokenizer)
         self.startup.mark("model files ready (+ tokenizer)")
         plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         log(f"model {cfg.model.name} at {self.model_dir}; starting {plan.train_world} trainer rank(s) and "
@@ -86,7 +91,24 @@ class GrpoRun:
                   for e, i in enumerate(self.generators.infos)]
         log("actor logs:\n" + "\n".join(lines))
 
+    def prompts_from(self, tokenizer) -> None:
+        """The prompt sets encoded with the model's tokenizer (its chat template when it has one)."""
+        cfg = self.cfg
+        encoder = data.PromptEncoder(tokenizer, cfg.data)
+        limit = data.max_prompt_tokens(cfg.data, cfg.grpo.max_total_sequence_length, cfg.grpo.max_new_tokens)
+        self.prompts = data.Prompts(self.dataset, encoder, limit)
+        log(f"data: {len(self.dataset)} training records from {cfg.data.train}"
+            + (" through the tokenizer's chat template" if encoder.template else " as plain text")
+            + f"; prompts over {limit} tokens are skipped")
+        self.val = None
+        if self.val_set is not None:
+            examples, ids, skipped = data.Prompts(self.val_set, encoder, limit).all(cfg.grpo.val_max_examples)
+            self.val = (examples, ids)
+            log(f"validation: {len(examples)} records from {cfg.data.validation}"
+                + (f" ({skipped} longer than {limit} tokens dropped)" if skipped else ""))
+
     def shutdown(self) -> None:
+        self.rewards.close()
         for group in (self.generators, self.trainers):
             if group is not None:
                 try:
@@ -108,17 +130,29 @@ class GrpoRun:
         return {"timing/transfer_and_update_weights": report.transfer_and_update_weights_s,
                 "refit/bytes": report.bytes, "refit/tensors": report.tensors}
 
-    def train_step(self, step: int, position: int) -> dict:
+    def validate(self, step: int) -> dict:
+        self.phase("validation")
+        t = time.perf_counter()
+        m = validation(self.cfg, self.generators, self.val, self.rewards, step)
+        m["timing/validation"] = time.perf_counter() - t
+        log(f"validation after step {step}: reward {m['val/reward']:.3f}  accuracy {m['val/accuracy']:.3f}"
+            + (f"  ({m['val/reward_errors']} reward errors)" if m["val/reward_errors"] else ""))
+        return m
+
+    def train_step(self, step: int, position: int) -> tuple[dict, int]:
+        """One step from data position `position`: (metrics, the position after it)."""
         from launcher.driver.agreement import agreement_metrics
 
         g = self.cfg.grpo
-        m: dict = {}
         t = time.perf_counter()
         self.phase("generation")
-        examples = self.dataset.take(position, g.num_prompts_per_step)
-        rollout = sample(self.cfg, self.generators, self.tokenizer, examples, step, self.reward_fn)
+        rollout, position, m = collect(self.cfg, self.generators, self.prompts, self.rewards, step, position)
         m["timing/generation"] = time.perf_counter() - t
-        adv = advantages.compute(rollout.rewards, g)
+        if m["data/dropped_prompts"]:
+            log(f"step {step}: skipped {m['data/dropped_prompts']} prompt(s) longer than {self.prompts.max_tokens} "
+                f"tokens (data.max_prompt_tokens)")
+        adv = advantages.compute(rollout.rewards, g,
+                                 advantages.overlong_penalty([len(x) for x in rollout.response_ids], g))
         batch = build_batch(rollout, adv, self.tokenizer.pad_token_id or 0)
         t = time.perf_counter()
         self.phase("logprobs")
@@ -137,7 +171,7 @@ class GrpoRun:
                   "train/mean_response_tokens": float(batch["loss_mask"].sum()) / len(rollout.rewards)})
         m.update({f"train/{k}": v for k, v in train.items() if isinstance(v, (int, float)) or hasattr(v, "item")})
         m["sample"] = rollout.texts[0]
-        return m
+        return m, position
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -166,9 +200,17 @@ class GrpoRun:
                 try:
                     if stale:  # the trainer changed since the last push (always true after a train step)
                         row.update(self.refit())
-                    row.update(self.train_step(step, position))
+                    if step == 1 and g.val_at_start and self.val is not None:
+                        row.update({f"{k}_at_start": v for k, v in self.validate(0).items()})
+                    m, position = self.train_step(step, position)
+                    row.update(m)
                     stale = True
-                    position += g.num_prompts_per_step
+                    if self.val is not None and g.val_period and (step % g.val_period == 0):
+                        pushed = self.refit()  # validate the weights this step produced
+                        key = "timing/transfer_and_update_weights"
+                        row.update({**pushed, key: row[key] + pushed[key]})
+                        stale = False
+                        row.update(self.validate(step))
                     row["timing/total_step"] = time.perf_counter() - t0
                     if self.ckpts.due(step, g.max_num_steps) or self.stop.is_set():
                         self.save(step, position, row, config_yaml)

@@ -93,7 +93,26 @@ def summary(rows: list[dict]) -> str:
         f"{'seconds per refit (mean)':<34} {mean('timing/transfer_and_update_weights'):.3f}",
         f"{'bytes per refit':<34} {int(mean('refit/bytes')):,}",
     ]
+    val = validation_points(rows)
+    if val:
+        lines.insert(2, f"{'validation reward (first -> last)':<34} {val[0][1]:.3f} -> {val[-1][1]:.3f} "
+                        f"(accuracy {val[0][2]:.3f} -> {val[-1][2]:.3f}, {len(val)} evaluations)")
+    for key, label in (("reward/errors", "reward errors (total)"), ("data/dropped_prompts", "prompts skipped (too long)")):
+        total = sum(int(r.get(key, 0)) for r in rows)
+        if total:
+            lines.append(f"{label:<34} {total}")
     return "\n".join(lines)
+
+
+def validation_points(rows: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, val/reward, val/accuracy) of every validation, the one at start as step 0."""
+    out = []
+    for r in rows:
+        if "val/reward_at_start" in r:
+            out.append((0, float(r["val/reward_at_start"]), float(r["val/accuracy_at_start"])))
+        if "val/reward" in r:
+            out.append((r["step"], float(r["val/reward"]), float(r["val/accuracy"])))
+    return out
 
 
 def plot(rows: list[dict], out: Path) -> Path | None:
@@ -107,7 +126,11 @@ def plot(rows: list[dict], out: Path) -> Path | None:
 
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(steps, [r["train/reward"] for r in rows], marker="o")
+    a.plot(steps, [r["train/reward"] for r in rows], marker="o", label="train")
+    val = validation_points(rows)
+    if val:
+        a.plot([v[0] for v in val], [v[1] for v in val], marker="s", label="validation (greedy)")
+        a.legend()
     a.set(xlabel="step", ylabel="mean reward", title="reward")
     a.grid(alpha=0.3)
     b.semilogy(steps, [max(float(r["train/gen_kl_error"]), 1e-18) for r in rows], marker="o", label="gen_kl_error")

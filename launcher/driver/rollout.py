@@ -2,14 +2,15 @@
 trainers get (docs/architecture.md's contract).
 
 Every request is seeded from (run seed, step, prompt, sample), so what is sampled does not depend
-on the engines' history: a resumed run samples what an uninterrupted run would have.
+on the engines' history: a resumed run samples what an uninterrupted run would have. With DAPO
+dynamic sampling, round r of a step numbers its prompts from r * num_prompts_per_step.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from launcher.config.schema import Config
 
@@ -28,30 +29,79 @@ class Rollout:
     generation_logprobs: list[list[float]]
     rewards: list[float]
     texts: list[str] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)   # stopped by max_new_tokens
+    reward_errors: int = 0
+
+    def groups(self, n: int) -> list["Rollout"]:
+        """One Rollout per prompt (its n samples)."""
+        return [Rollout(*(getattr(self, k)[i:i + n] for k in ("prompt_ids", "response_ids", "generation_logprobs",
+                                                               "rewards", "texts", "truncated")))
+                for i in range(0, len(self.rewards), n)]
+
+    @staticmethod
+    def join(parts: Sequence["Rollout"], reward_errors: int = 0) -> "Rollout":
+        keys = ("prompt_ids", "response_ids", "generation_logprobs", "rewards", "texts", "truncated")
+        return Rollout(*([x for p in parts for x in getattr(p, k)] for k in keys), reward_errors=reward_errors)
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True))
-    return list(tokenizer(text)["input_ids"])
-
-
-def sample(cfg: Config, generators, tokenizer, examples: Sequence, step: int,
-           reward_fn: Callable[[str, object], float]) -> Rollout:
+def sample(cfg: Config, generators, prompt_ids: Sequence[list[int]], examples: Sequence, step: int, rewards,
+           first_prompt: int = 0, greedy: bool = False) -> Rollout:
+    """n generations of each prompt (one, at temperature 0, when `greedy`), scored by `rewards`."""
     g = cfg.grpo
-    prompts, seeds, targets = [], [], []
-    for i, ex in enumerate(examples):
-        ids = encode_prompt(tokenizer, ex.prompt)
-        for j in range(g.num_generations_per_prompt):
+    n = 1 if greedy else g.num_generations_per_prompt
+    prompts, seeds, served = [], [], []
+    for i, (ids, ex) in enumerate(zip(prompt_ids, examples)):
+        for j in range(n):
             prompts.append(ids)
-            seeds.append(request_seed(cfg.run.seed, step, i, j))
-            targets.append(ex.target)
-    outs = generators.generate(prompts, temperature=g.temperature, top_p=g.top_p,
+            seeds.append(request_seed(cfg.run.seed, step, first_prompt + i, j))
+            served.append(ex)
+    outs = generators.generate(prompts, temperature=0.0 if greedy else g.temperature, top_p=1.0 if greedy else g.top_p,
                                max_tokens=g.max_new_tokens, seeds=seeds)
-    rewards = [reward_fn(o.text, t) for o, t in zip(outs, targets)]
-    return Rollout(prompts, [o.token_ids for o in outs], [o.logprobs for o in outs], rewards,
-                   [o.text for o in outs])
+    texts = [o.text for o in outs]
+    scores, errors = rewards.score(texts, served)
+    return Rollout(prompts, [o.token_ids for o in outs], [o.logprobs for o in outs], scores, texts,
+                   [o.finish_reason == "length" for o in outs], errors)
+
+
+def collect(cfg: Config, generators, prompts, rewards, step: int, position: int) -> tuple[Rollout, int, dict]:
+    """The step's training samples from data position `position`: (rollout, the position after, metrics).
+
+    With grpo.dynamic_sampling (DAPO) prompt groups whose shaped rewards are all equal carry no
+    signal and are dropped; further rounds of num_prompts_per_step prompts are sampled until that
+    many informative groups or max_gen_batches rounds, the batch topped up with dropped groups
+    (advantage 0) if short, so its size is fixed. Every round's prompts count as consumed."""
+    from launcher.driver.advantages import overlong_penalty, shaped
+
+    g = cfg.grpo
+    n, want = g.num_generations_per_prompt, g.num_prompts_per_step
+    rounds = g.dynamic_sampling.max_gen_batches if g.dynamic_sampling.enabled else 1
+    kept, spare, skipped, errors, generated = [], [], 0, 0, 0
+    for r in range(rounds):
+        examples, ids, position, dropped = prompts.take(position, want)
+        part = sample(cfg, generators, ids, examples, step, rewards, first_prompt=r * want)
+        skipped, errors, generated = skipped + dropped, errors + part.reward_errors, generated + len(part.rewards)
+        for grp in part.groups(n):
+            final = shaped(grp.rewards, g, overlong_penalty([len(x) for x in grp.response_ids], g))
+            (kept if not g.dynamic_sampling.enabled or len(set(final)) > 1 else spare).append(grp)
+        if len(kept) >= want:
+            break
+    informative = min(len(kept), want)
+    batch = Rollout.join(kept[:want] + spare[:want - informative], reward_errors=errors)
+    m = {"data/dropped_prompts": skipped, "reward/errors": errors,
+         "response/truncated_fraction": sum(batch.truncated) / len(batch.truncated)}
+    if g.dynamic_sampling.enabled:
+        m.update({"dynamic_sampling/kept_groups": informative, "dynamic_sampling/gen_batches": r + 1,
+                  "dynamic_sampling/generated_samples": generated})
+    return batch, position, m
+
+
+def validation(cfg: Config, generators, val, rewards, step: int) -> dict:
+    """Greedy generation over the validation prompts (`val`: (examples, ids)): val/reward, val/accuracy."""
+    examples, ids = val
+    r = sample(cfg, generators, ids, examples, step, rewards, greedy=True)
+    return {"val/reward": sum(r.rewards) / len(r.rewards),
+            "val/accuracy": sum(1 for x in r.rewards if x >= 1.0) / len(r.rewards),
+            "val/reward_errors": r.reward_errors, "val/sample": r.texts[0]}
 
 
 def build_batch(r: Rollout, adv: list[float], pad_id: int) -> dict:

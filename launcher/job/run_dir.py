@@ -21,6 +21,7 @@ from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
 from launcher.driver import data, rewards
+from launcher.driver import data, rewards
 from launcher.job import sbatch
 from launcher import paths
 from launcher.paths import checkpoint_dirs
@@ -31,6 +32,7 @@ def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
     depend on a cwd or a home directory."""
     out = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
     paths.absolute_config(out)
+    data.absolute_sources(out)
     data.absolute_sources(out)
     out.run.root = str(run_dir.parent)
     out.dry_run = False
@@ -114,6 +116,7 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
             d.chmod(paths.dir_mode(cfg))  # also a run dir written before with wider modes
     except OSError as e:
         raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
+    rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     config_mod.save(resolved(raw, run_dir), run_dir / "config.yaml")
     (run_dir / "plan.txt").write_text(plan.describe() + "\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.driver import advantages, data
+from launcher.driver import advantages, data, rewards
 from launcher.driver.checkpoints import CheckpointError, CheckpointManager, verify
 from launcher.config.compose import ConfigError
 from launcher.driver.metrics import MetricsLogger, read, summary
@@ -14,23 +14,24 @@ from launcher.config.schema import Checkpointing, Grpo, Logging, RewardScaling
 
 def test_data_order_is_a_pure_function_of_seed_epoch_position():
     a, b = data.PromptDataset("math_add", 3), data.PromptDataset("math_add", 3)
-    straight = a.take(0, 700)  # crosses two epoch boundaries (256 examples)
-    resumed = b.take(0, 300) + b.take(300, 400)
+    straight, end, skipped = a.take(0, 700)  # crosses two epoch boundaries (256 examples)
+    assert (end, skipped) == (700, 0)
+    resumed = b.take(0, 300)[0] + b.take(300, 400)[0]
     assert [e.index for e in straight] == [e.index for e in resumed]
     assert sorted(e.index for e in straight[:256]) == list(range(256))  # each epoch is a permutation
     assert [e.index for e in straight[:256]] != [e.index for e in straight[256:512]]
-    assert [e.index for e in data.PromptDataset("math_add", 4).take(0, 10)] != [e.index for e in straight[:10]]
+    assert [e.index for e in data.PromptDataset("math_add", 4).take(0, 10)[0]] != [e.index for e in straight[:10]]
 
 
 def test_rewards():
-    assert data.say_number("42 41 49 40", [40, 49]) == 1.0
-    assert data.say_number("42 and more 39", [40, 49]) == 0.25
-    assert data.say_number("39 50", [40, 49]) == 0.0
-    assert data.say_number("", [40, 49]) == 0.0
-    assert data.math_answer("37", 37) == 1.0
-    assert data.math_answer("the answer is 37 .", 37) == 1.0
-    assert data.math_answer("36 or 37", 37) == 0.0
-    ex = data.PromptDataset("math_add", 0).examples[0]
+    assert rewards.say_number("42 41 49 40", [40, 49]) == 1.0
+    assert rewards.say_number("42 and more 39", [40, 49]) == 0.25
+    assert rewards.say_number("39 50", [40, 49]) == 0.0
+    assert rewards.say_number("", [40, 49]) == 0.0
+    assert rewards.math_answer("37", 37) == 1.0
+    assert rewards.math_answer("the answer is 37 .", 37) == 1.0
+    assert rewards.math_answer("36 or 37", 37) == 0.0
+    ex = data.PromptDataset("math_add", 0).example(0)
     a, b = [int(t) for t in ex.prompt.split() if t.isdigit()]
     assert ex.target == a + b and ex.prompt == f"what is {a} + {b} ? give only the answer ."
 

@@ -1,0 +1,238 @@
+"""Rewards: `fn(response: str, example: dict) -> float`, `example` holding every field of the record.
+
+`reward.fn` is a built-in (below), `pkg.module:function`, or `path/to/file.py:function`. A file is
+copied into `RUN/reward/` at submission and loaded from there, so a requeued job runs the same
+code. Calls run in a small pool of `reward.workers` spawned processes with a per-call timeout
+(workers=0, for tests, calls it in this process without one); an exception, a timeout or a non-finite value gives 0 for that sample
+with `reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or
+stops the run with one line naming the record with `fail`.
+
+Built-ins compare with the record's `data.answer_key` field:
+- `say_number` / `math_answer`: the two demos' rewards (see launcher.driver.data).
+- `math_verify`: HF math-verify (the verifier TRL, verl and NeMo RL use): 1 when the response's
+  final answer is mathematically equal to the reference answer.
+- `exact_match`: 1 when the response equals the answer after normalisation (case, whitespace,
+  surrounding punctuation).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+import shutil
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from launcher.config.schema import ConfigError, Reward
+
+_INT = re.compile(r"-?\d+")
+
+
+def say_number(response: str, target: list[int]) -> float:
+    words = response.split()
+    hits = sum(1 for w in words if _INT.fullmatch(w) and target[0] <= int(w) <= target[1])
+    return hits / len(words) if words else 0.0
+
+
+def math_answer(response: str, target: int) -> float:
+    m = _INT.search(response)
+    return 1.0 if m is not None and int(m.group()) == int(target) else 0.0
+
+
+def _normalise(text: str) -> str:
+    return " ".join(str(text).lower().split()).strip(" .,;:!?\"'`")
+
+
+def exact_match(response: str, target) -> float:
+    return 1.0 if _normalise(response) == _normalise(target) else 0.0
+
+
+def math_verify(response: str, target) -> float:
+    from math_verify import parse, verify
+
+    gold = parse(str(target) if "$" in str(target) or "\\" in str(target) else f"${target}$")
+    return 1.0 if verify(gold, parse(response)) else 0.0
+
+
+BUILTIN = {"say_number": say_number, "math_answer": math_answer, "math_verify": math_verify,
+           "exact_match": exact_match}
+
+
+def _on_answer(fn: Callable, answer_key: str, response: str, example: dict) -> float:
+    """A built-in as a reward: fn(response, example[answer_key])."""
+    return fn(response, example[answer_key])
+
+
+# ---------------------------------------------------------------------------- resolving reward.fn
+def file_part(spec: str) -> Path | None:
+    """The file of a `path/to/file.py:function` spec, else None."""
+    path, sep, _ = spec.rpartition(":")
+    return Path(path) if sep and path.endswith(".py") else None
+
+
+def run_copy(run_dir: Path, spec: str) -> Path:
+    return Path(run_dir) / "reward" / file_part(spec).name
+
+
+def copy_into_run(spec: str, run_dir: Path) -> None:
+    """At submission: a file reward is copied into the run directory (the job loads that copy)."""
+    src = file_part(spec)
+    if src is not None:
+        dst = run_copy(run_dir, spec)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+
+
+def load(spec: str, answer_key: str = "answer", run_dir: Path | None = None) -> Callable[[str, dict], float]:
+    """The reward callable of `spec`; ConfigError('reward.fn', ...) when it cannot be had."""
+    if spec in BUILTIN:
+        return functools.partial(_on_answer, BUILTIN[spec], answer_key)
+    src = file_part(spec)
+    name = spec.rpartition(":")[2]
+    if src is not None:
+        path = run_copy(run_dir, spec) if run_dir is not None and run_copy(run_dir, spec).is_file() else src
+        if not path.is_file():
+            raise ConfigError("reward.fn", f"{path}: no such file")
+        mod_name = f"_reward_file_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+        try:
+            s = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(s)
+            sys.modules[mod_name] = module
+            s.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - the user's file: say what broke, in one line
+            raise ConfigError("reward.fn", f"cannot import {path}: {type(e).__name__}: {e}") from None
+    elif ":" in spec:
+        mod_name = spec.partition(":")[0]
+        try:
+            module = importlib.import_module(mod_name)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError("reward.fn", f"cannot import module {mod_name!r}: {type(e).__name__}: {e}") from None
+    else:
+        raise ConfigError("reward.fn", f"{spec!r} is not a built-in ({', '.join(BUILTIN)}) nor "
+                                       f"pkg.module:function nor path/to/file.py:function")
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ConfigError("reward.fn", f"{spec}: the module has no {name!r}")
+    if not callable(fn):
+        raise ConfigError("reward.fn", f"{spec}: {name!r} is not callable")
+    try:
+        inspect.signature(fn).bind("response", {})
+    except TypeError:
+        raise ConfigError("reward.fn", f"{spec}: {name}{inspect.signature(fn)} cannot be called as "
+                                       f"fn(response, example)") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): trust it
+    return fn
+
+
+def check(r: Reward, submitting: bool) -> list[ConfigError]:
+    errs = []  # timeout_s and workers: their ranges are in launcher.config.ranges
+    if r.on_error not in ("zero", "fail"):
+        errs.append(ConfigError("reward.on_error", f"must be zero or fail, got {r.on_error!r}"))
+    src = file_part(r.fn)
+    if src is not None and not src.exists() and not submitting:
+        return errs  # a dry run may plan for a filesystem this machine does not see
+    try:
+        load(r.fn)
+    except ConfigError as e:
+        errs.append(e)
+    return errs
+
+
+# ---------------------------------------------------------------------------- calling it
+_FN: Callable | None = None
+_LOAD_ERROR: str | None = None
+
+
+def _init(spec: str, answer_key: str, run_dir: str | None) -> None:
+    global _FN, _LOAD_ERROR
+    try:
+        _FN = load(spec, answer_key, Path(run_dir) if run_dir else None)
+    except Exception as e:  # noqa: BLE001 - reported on each call (a raising initializer respawns forever)
+        _LOAD_ERROR = f"{type(e).__name__}: {e}"
+
+
+def _call(response: str, example: dict) -> tuple:
+    """("ok", value) or ("error", one line, traceback)."""
+    if _FN is None:
+        return ("error", f"reward.fn could not be loaded: {_LOAD_ERROR}", _LOAD_ERROR or "")
+    try:
+        value = _FN(response, example)
+    except Exception as e:  # noqa: BLE001 - the user's code
+        return ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return ("error", f"returned {value!r}, not a number", "")
+    if not math.isfinite(value):
+        return ("error", f"returned {value}, not a finite number", "")
+    return ("ok", value)
+
+
+class RewardFailed(Exception):
+    """reward.on_error=fail and a call failed: one line naming the record."""
+
+
+class Rewards:
+    """Scores responses: pool of `reward.workers` spawned processes, per-call timeout, on_error."""
+
+    def __init__(self, r: Reward, answer_key: str, run_dir: Path):
+        self.r, self.answer_key, self.run_dir = r, answer_key, Path(run_dir)
+        self.log_path = self.run_dir / "logs" / "reward_errors.log"
+        self.pool = None
+        self._init_args = (r.fn, answer_key, str(run_dir))
+        if r.workers == 0:
+            _init(*self._init_args)
+
+    def _pool(self):
+        if self.pool is None:
+            import multiprocessing
+
+            self.pool = multiprocessing.get_context("spawn").Pool(self.r.workers, initializer=_init,
+                                                                  initargs=self._init_args)
+        return self.pool
+
+    def score(self, responses: list[str], examples: list) -> tuple[list[float], int]:
+        """(rewards, errors) for responses[i] of examples[i] (Example objects with .record / .where)."""
+        if self.r.workers == 0:
+            results = [_call(t, ex.record) for t, ex in zip(responses, examples)]
+        else:
+            import multiprocessing
+
+            pool = self._pool()
+            pending = [pool.apply_async(_call, (t, ex.record)) for t, ex in zip(responses, examples)]
+            results, timed_out = [], False
+            for p in pending:
+                try:
+                    results.append(p.get(timeout=self.r.timeout_s))
+                except multiprocessing.TimeoutError:
+                    timed_out = True
+                    results.append(("error", f"timed out after {self.r.timeout_s:g}s (reward.timeout_s)", ""))
+            if timed_out:  # a worker may still be stuck in the call: start fresh ones next time
+                self.pool.terminate()
+                self.pool = None
+        rewards, errors = [], 0
+        for res, ex in zip(results, examples):
+            if res[0] == "ok":
+                rewards.append(res[1])
+                continue
+            errors += 1
+            rewards.append(0.0)
+            if self.r.on_error == "fail":
+                raise RewardFailed(f"reward.fn {self.r.fn} failed on {ex.where}: {res[1]} (reward.on_error=fail; "
+                                   f"reward.on_error=zero scores it 0 and goes on)")
+            if not self.log_path.exists():
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                self.log_path.write_text(f"reward.fn {self.r.fn} on {ex.where}: {res[1]}\n{res[2]}")
+        return rewards, errors
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None

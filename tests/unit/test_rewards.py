@@ -1,0 +1,139 @@
+"""Rewards: every way a reward.fn can be wrong is one line naming it; the built-ins score as
+documented; the pool counts exceptions, timeouts and non-finite values as errors (0, first
+traceback logged) or stops with the record named; a file reward is copied into the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.config.compose import compose
+from launcher.config.schema import ConfigError, Reward, typed
+from launcher.config.validate import validate
+from launcher.driver import data, rewards
+
+REWARD_FILE = '''
+import math, time
+
+def score(response, example):
+    """1 when the response contains the record's `expected` word."""
+    if example["expected"] == "boom":
+        raise ValueError("no reward for " + example["expected"])
+    if example["expected"] == "slow":
+        time.sleep(30)
+    if example["expected"] == "nan":
+        return math.nan
+    if example["expected"] == "text":
+        return "high"
+    return float(example["expected"] in response.split())
+
+not_callable = 3
+
+def one_arg(response):
+    return 1.0
+'''
+
+
+def errors(*overrides: str) -> list[str]:
+    return [str(e) for e in validate(typed(compose(list(overrides))), submitting=True)]
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    (tmp_path / "broken.py").write_text("def score(response, example):\n    return 1 +\n")
+    return path
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("{dir}/nope.py:score", "reward.fn: {dir}/nope.py: no such file"),
+    ("{dir}/my_reward.py:missing", "reward.fn: {dir}/my_reward.py:missing: the module has no 'missing'"),
+    ("{dir}/my_reward.py:not_callable", "reward.fn: {dir}/my_reward.py:not_callable: 'not_callable' is not callable"),
+    ("{dir}/my_reward.py:one_arg", "reward.fn: {dir}/my_reward.py:one_arg: one_arg(response) cannot be called as "
+                                   "fn(response, example)"),
+    ("no_such_pkg.mod:fn", "reward.fn: cannot import module 'no_such_pkg.mod': ModuleNotFoundError: No module named "
+                           "'no_such_pkg'"),
+    ("json:nothing_here", "reward.fn: json:nothing_here: the module has no 'nothing_here'"),
+    ("exact", "reward.fn: 'exact' is not a built-in (say_number, math_answer, math_verify, exact_match) nor "
+              "pkg.module:function nor path/to/file.py:function"),
+])
+def test_bad_reward_is_one_line(reward_file, fn, message):
+    d = reward_file.parent
+    assert errors(f"reward.fn={fn.format(dir=d)}") == [message.format(dir=d)]
+
+
+def test_a_reward_that_does_not_import_names_the_error(reward_file):
+    (err,) = errors(f"reward.fn={reward_file.parent}/broken.py:score")
+    assert err.startswith(f"reward.fn: cannot import {reward_file.parent}/broken.py: SyntaxError: ") and "\n" not in err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.on_error=skip", "reward.on_error: must be zero or fail, got 'skip'"),
+])
+def test_bad_reward_settings(override, message):
+    assert errors(override) == [message]
+
+
+def test_good_forms_pass(reward_file):
+    assert errors(f"reward.fn={reward_file}:score", "data.train=say_number") == []
+    assert errors("reward.fn=launcher.driver.rewards:exact_match") == []
+    assert errors("reward.fn=math_verify") == []
+
+
+def test_builtins():
+    ex = {"answer": "\\frac{1}{2}", "other": "Paris"}
+    assert rewards.load("math_verify")("so the answer is $0.5$", ex) == 1.0
+    assert rewards.load("math_verify")("the answer is \\boxed{\\frac{2}{4}}", ex) == 1.0
+    assert rewards.load("math_verify")("the answer is 2", ex) == 0.0
+    assert rewards.load("math_verify")("12", {"answer": 12}) == 1.0
+    assert rewards.load("exact_match", answer_key="other")("  paris. ", ex) == 1.0
+    assert rewards.load("exact_match", answer_key="other")("Paris, France", ex) == 0.0
+    assert rewards.load("math_answer")("it is 37 .", {"answer": 37}) == 1.0
+    assert rewards.load("say_number")("42 41 9", {"answer": [40, 49]}) == pytest.approx(2 / 3)
+
+
+def examples(words):
+    return [data.Example(i, {"expected": w}, prompt="p", where=f"line {i + 1} of q.jsonl") for i, w in enumerate(words)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_errors_score_zero_are_counted_and_the_first_is_logged(reward_file, tmp_path, workers):
+    run = tmp_path / "run"
+    rewards.copy_into_run(f"{reward_file}:score", run)
+    r = rewards.Rewards(Reward(fn=f"{reward_file}:score", workers=workers, timeout_s=5), "answer", run)
+    try:
+        got, errs = r.score(["yes", "yes", "no", "x", "x"], examples(["yes", "boom", "yes", "nan", "text"]))
+    finally:
+        r.close()
+    assert got == [1.0, 0.0, 0.0, 0.0, 0.0] and errs == 3
+    log = (run / "logs" / "reward_errors.log").read_text()
+    assert log.startswith(f"reward.fn {reward_file}:score on line 2 of q.jsonl: ValueError: no reward for boom\n")
+    assert "Traceback" in log and 'raise ValueError("no reward for "' in log
+
+
+def test_a_timeout_scores_zero_and_the_pool_recovers(reward_file, tmp_path):
+    r = rewards.Rewards(Reward(fn=f"{reward_file}:score", workers=1, timeout_s=2), "answer", tmp_path)
+    try:
+        got, errs = r.score(["a", "yes"], examples(["slow", "yes"]))
+        assert got[0] == 0.0 and errs >= 1
+        assert "timed out after 2s (reward.timeout_s)" in (tmp_path / "logs" / "reward_errors.log").read_text()
+        assert r.score(["yes"], examples(["yes"])) == ([1.0], 0)  # fresh workers after the stuck one
+    finally:
+        r.close()
+
+
+def test_on_error_fail_names_the_record(reward_file, tmp_path):
+    r = rewards.Rewards(Reward(fn=f"{reward_file}:score", workers=0, on_error="fail"), "answer", tmp_path)
+    with pytest.raises(rewards.RewardFailed) as e:
+        r.score(["yes", "yes"], examples(["yes", "boom"]))
+    assert str(e.value) == (f"reward.fn {reward_file}:score failed on line 2 of q.jsonl: ValueError: no reward for "
+                            f"boom (reward.on_error=fail; reward.on_error=zero scores it 0 and goes on)")
+
+
+def test_the_run_uses_its_copy_of_a_reward_file(reward_file, tmp_path):
+    run = tmp_path / "run"
+    rewards.copy_into_run(f"{reward_file}:score", run)
+    assert (run / "reward" / "my_reward.py").read_text() == REWARD_FILE
+    reward_file.write_text("def score(response, example):\n    return 0.5\n")  # edited after submission
+    assert rewards.load(f"{reward_file}:score", run_dir=run)("yes", {"expected": "yes"}) == 1.0
+    assert rewards.load(f"{reward_file}:score")("yes", {"expected": "yes"}) == 0.5
