@@ -49,6 +49,12 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
     if len(ctx.hostnames) != len(plan.nodes):
         raise ClusterError(f"the job has {len(ctx.hostnames)} nodes but topology {cfg.topology.name} plans "
                            f"{len(plan.nodes)}")
+    if cfg.run.job == "preflight" and ctx.node_index == 0 and ctx.attempt == 0:
+        from launcher.driver import preflight
+
+        # before Ray: probes every node through its own srun step, so a node whose task could not
+        # start (no run directory there) is named too; raises PreflightFailed (exit 1, no requeue)
+        preflight.check_nodes(cfg, plan, ctx)
     if ctx.node_index != 0:
         return run_worker(ctx, cfg, plan)
     if ctx.attempt > 0:  # requeued (preemption, time limit, node failure): continue from the latest checkpoint

