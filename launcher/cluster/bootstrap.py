@@ -114,7 +114,8 @@ def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signal
             if time.time() >= next_check and current.thread.is_alive():
                 check_nodes(ctx, plan)  # a lost node ends the run now
                 next_check = time.time() + 2.0
-            beat.tick(progress.phase_text(ctx.progress))
+            if cfg.run.job == "grpo":  # the other job kinds wait on purpose (hold) or are short
+                beat.tick(progress.phase_text(ctx.progress))
     if "error" in box:
         raise box["error"]
     return box["result"]
