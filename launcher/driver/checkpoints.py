@@ -11,7 +11,9 @@ A checkpoint directory holds:
                       truncated, replaced or written by someone else is refused before it is read
 Only `step_N` directories with a matching manifest count; `tmp_step_N` (a save interrupted by a
 crash or a full disk) is ignored and cleared by the next save of that step.
-Retention: the latest checkpoint is always kept, plus the `keep_top_k` best by `metric_name`.
+Retention: the checkpoint just written and the latest are always kept, plus the `keep_top_k` best
+by `metric_name`. Resuming from an older step starts a branch (`start_branch`): the newer
+checkpoints and metrics rows are moved aside under `abandoned/`, never deleted.
 """
 
 from __future__ import annotations
@@ -160,6 +162,33 @@ class CheckpointManager:
             raise ConfigError("resume", f"{e}; complete checkpoints in {self.root}: {listing}") from None
         return Checkpoint(int(json.loads((path / INFO).read_text())["step"]), path)
 
+    def start_branch(self, ckpt: Checkpoint, run_dir: Path) -> Path | None:
+        """Resuming from `ckpt` when newer checkpoints or metrics rows exist starts a new branch:
+        every `step_N` with N > ckpt.step moves to `<checkpoints>/abandoned/<time>-from-step_S/`
+        and the metrics rows after S to `<run dir>/abandoned/<same>/metrics.jsonl` (renames, nothing
+        is deleted). Retention and a requeue then only see the branch's own checkpoints. Returns
+        the folder the checkpoints went to, or None when nothing was newer."""
+        newer = sorted(p for p in (self.root.iterdir() if self.root.is_dir() else [])
+                       if (m := _STEP.match(p.name)) and p.is_dir() and int(m.group(1)) > ckpt.step
+                       and p.resolve() != ckpt.path.resolve())
+        metrics = run_dir / "metrics.jsonl"
+        rows = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
+        later = [r for r in rows if _row_step(r) > ckpt.step]
+        if not newer and not later:
+            return None
+        name = f"{time.strftime('%Y%m%d-%H%M%S')}-from-step_{ckpt.step}"
+        aside = self.root / "abandoned" / name
+        aside.mkdir(parents=True, exist_ok=True)
+        for p in newer:
+            os.replace(p, aside / p.name)
+        if later:
+            (run_dir / "abandoned" / name).mkdir(parents=True, exist_ok=True)
+            (run_dir / "abandoned" / name / "metrics.jsonl").write_text("".join(later))
+            tmp = metrics.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(r for r in rows if _row_step(r) <= ckpt.step))
+            os.replace(tmp, metrics)
+        return aside
+
     def due(self, step: int, last_step: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.save_period == 0 or step == last_step)
 
@@ -181,7 +210,7 @@ class CheckpointManager:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(self.root)
-        self._retain()
+        self._retain(final)
         return Checkpoint(step, final)
 
     def _metric(self, c: Checkpoint) -> float | None:
@@ -191,17 +220,25 @@ class CheckpointManager:
         except (OSError, ValueError):
             return None
 
-    def _retain(self) -> None:
+    def _retain(self, written: Path) -> None:
+        """Keep the checkpoint just written, the newest, and the keep_top_k best by the metric."""
         done = self.complete()
         if not done or self.cfg.keep_top_k is None:
             return
         sign = 1.0 if self.cfg.higher_is_better else -1.0
         ranked = sorted(done, key=lambda c: (self._metric(c) is not None, sign * (self._metric(c) or 0.0), c.step),
                         reverse=True)
-        keep = {done[-1].path} | {c.path for c in ranked[: self.cfg.keep_top_k]}
+        keep = {written, done[-1].path} | {c.path for c in ranked[: self.cfg.keep_top_k]}
         for c in done:
             if c.path not in keep:
                 shutil.rmtree(c.path, ignore_errors=True)
+
+
+def _row_step(line: str) -> float:
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1.0   # an unreadable row stays where it is
 
 
 def _fsync_tree(root: Path) -> None:

@@ -21,7 +21,6 @@ from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
 from launcher.driver import data, rewards
-from launcher.driver import data, rewards
 from launcher.job import sbatch
 from launcher import paths
 from launcher.paths import checkpoint_dirs
@@ -32,7 +31,6 @@ def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
     depend on a cwd or a home directory."""
     out = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
     paths.absolute_config(out)
-    data.absolute_sources(out)
     data.absolute_sources(out)
     out.run.root = str(run_dir.parent)
     out.dry_run = False
@@ -102,7 +100,8 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     if cfg.resume is not None:
         from launcher.driver.checkpoints import CheckpointManager, check_compatible
 
-        ckpt = CheckpointManager(ckpts, cfg.checkpointing).resolve(cfg.resume)  # a one-line error if unusable
+        manager = CheckpointManager(ckpts, cfg.checkpointing)
+        ckpt = manager.resolve(cfg.resume)  # a one-line error if unusable
         check_compatible(ckpt.path, cfg)
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if existing and cfg.resume is None:
@@ -116,7 +115,12 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
             d.chmod(paths.dir_mode(cfg))  # also a run dir written before with wider modes
     except OSError as e:
         raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
-    rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
+    if cfg.resume is not None:  # before the job can start or requeue: it must see only this branch
+        aside = manager.start_branch(ckpt, run_dir)
+        if aside is not None:
+            print(f"note: resuming from step {ckpt.step} starts a new branch: the newer checkpoints were moved "
+                  f"to {aside}, later metrics rows to {run_dir / 'abandoned' / aside.name} (nothing deleted)",
+                  file=sys.stderr)
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     config_mod.save(resolved(raw, run_dir), run_dir / "config.yaml")
     (run_dir / "plan.txt").write_text(plan.describe() + "\n")

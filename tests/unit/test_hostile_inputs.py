@@ -24,6 +24,7 @@ from launcher import __main__ as cli
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = "{root}"   # replaced by the sandbox's run.root
+SLURM = ["topology=slurm_3n"]
 
 
 @dataclass
@@ -36,7 +37,13 @@ class Case:
     unchanged: tuple[str, ...] = ()                # more paths (repo-relative) that must not change
 
 
-def _ckpt(run: str, step: int, info: dict | None = None, saved_config: bool = False):
+def _config_yaml(*overrides: str) -> str:
+    from launcher.config.compose import compose, to_yaml
+
+    return to_yaml(compose(list(overrides)))
+
+
+def _ckpt(run: str, step: int, info: dict | None = None, saved_config: bool = False, metrics: dict | None = None):
     """A complete-looking checkpoint RUN/checkpoints/step_N written with the real manager (and
     RUN/config.yaml as a launch saves it, with `saved_config`)."""
     def setup(sandbox: Path) -> None:
@@ -46,18 +53,17 @@ def _ckpt(run: str, step: int, info: dict | None = None, saved_config: bool = Fa
         from launcher.config.schema import Checkpointing
         from launcher.driver.checkpoints import CheckpointManager
 
-        manager = CheckpointManager(sandbox / "runs" / run / "checkpoints", Checkpointing())
+        manager = CheckpointManager(sandbox / "runs" / run / "checkpoints", Checkpointing(keep_top_k=None))
         tmp = manager.begin(step)
         (tmp / "trainer").mkdir()
         (tmp / "trainer" / "x.bin").write_bytes(b"\0")
-        manager.commit(tmp, step, {"consumed_prompts": 0, "metrics": {}}, "model: {}\n")
+        manager.commit(tmp, step, {"consumed_prompts": 0, "metrics": metrics or {}}, _config_yaml(*SLURM))
         if info is not None:
             p = manager.root / f"step_{step}" / "training_info.json"
             p.write_text(json.dumps(info))
     return setup
 
 
-SLURM = ["topology=slurm_3n"]
 CASES = [
     # 1: paths from the config are one safe component / absolute once
     Case("name-dotdot", ["run.name=../conf", "submit=false", *SLURM], 2, "run.name: must be one path component",
@@ -261,3 +267,36 @@ def test_run_directory_is_private(sandbox, capsys, shared, dirs, files):
     assert mode(run / "config.yaml") == files and mode(run / "plan.txt") == files
     assert mode(run / "ray_job.sbatch") == dirs   # executable, not readable by others
     assert f"umask {0o777 & ~dirs:03o}" in (run / "ray_job.sbatch").read_text()  # the job writes the same way
+
+
+def test_resume_from_an_older_step_starts_a_branch(sandbox, capsys):
+    """+resume=step_10 on a run that has step_20: step_20 and the metrics rows after 10 are moved
+    aside (not deleted), the branch's own new checkpoint survives retention, and a requeue
+    resumes from the branch's newest."""
+    from launcher.cluster.bootstrap import resume_after_requeue
+    from launcher.config.compose import compose
+    from launcher.config.schema import Checkpointing, typed
+    from launcher.driver.checkpoints import CheckpointManager
+
+    for step, reward in ((10, 0.9), (20, 0.95)):
+        _ckpt("b", step, metrics={"train/reward": reward})(sandbox)
+    run = sandbox / "runs" / "b"
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "train/reward": 0.5}) + "\n"
+                                               for i in range(1, 21)))
+    rc = cli.main([*SLURM, "submit=false", "run.name=b", f"run.root={sandbox / 'runs'}", "+resume=step_10"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    aside = run / "checkpoints" / "abandoned"
+    (branch,) = aside.iterdir()
+    assert branch.name.endswith("-from-step_10") and sorted(p.name for p in branch.iterdir()) == ["step_20"]
+    assert f"note: resuming from step 10 starts a new branch: the newer checkpoints were moved to {branch}" in err
+    assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 11))
+    moved = (run / "abandoned" / branch.name / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in moved] == list(range(11, 21))
+    # the branch writes step_13 with a worse reward than step_10: retention (keep_top_k=1) keeps both
+    manager = CheckpointManager(run / "checkpoints", Checkpointing(keep_top_k=1))
+    tmp = manager.begin(13)
+    manager.commit(tmp, 13, {"consumed_prompts": 0, "metrics": {"train/reward": 0.1}}, _config_yaml(*SLURM))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["abandoned", "step_10", "step_13"]
+    cfg = typed(compose([*SLURM, f"run.root={sandbox / 'runs'}", "run.name=b", "+resume=step_10"]))
+    assert resume_after_requeue(cfg, run) == str(run / "checkpoints" / "step_13")
