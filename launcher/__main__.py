@@ -312,7 +312,8 @@ def _run_here(cfg, plan, run_dir: Path) -> int:
     restarts = 0
     while True:
         try:
-            result = run_local(cfg, plan, run_dir, attempt=restarts).get("result") or {}
+            out = run_local(cfg, plan, run_dir, attempt=restarts)
+            result = out.get("result") or {}
             break
         except ClusterError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -326,9 +327,10 @@ def _run_here(cfg, plan, run_dir: Path) -> int:
             print("interrupted: stopped at once (no checkpoint); Ray and vLLM processes are stopped", file=sys.stderr)
             return 130
     if result.get("stopped"):
-        print(f"stopped at step {result['step']} after saving a checkpoint; continue with the same command "
-              f"and +resume=latest", file=sys.stderr)
-        return 130
+        asked = out.get("stop_requested")  # python -m launcher.stop: what was asked for, not an interruption
+        print(f"stopped{' on request' if asked else ''} at step {result['step']} after saving a checkpoint; "
+              f"continue with the same command and +resume=latest", file=sys.stderr)
+        return 0 if asked else 130
     log(f"finished in {time.time() - t0:.0f}s; everything is in {run_dir}")
     return 0
 
