@@ -8,7 +8,10 @@ A checkpoint directory holds:
   manifest.json       every file above with its size and sha256; written last. Its presence and a
                       match of every file is what "complete" means, and it is checked before
                       anything is loaded: torch's checkpoint metadata is a pickle, so a file
-                      truncated, replaced or written by someone else is refused before it is read
+                      truncated, replaced or written by someone else is refused before it is read.
+                      A matching manifest is not trust (anyone who can write the folder can write
+                      it): entries must stay inside the checkpoint, and every `.metadata` is
+                      unpickled with workers.safe_unpickle (checkpoint classes only) first
 Only `step_N` directories with a matching manifest count; `tmp_step_N` (a save interrupted by a
 crash or a full disk) is ignored and cleared by the next save of that step.
 Retention: the checkpoint just written and the latest are always kept, plus the `keep_top_k` best
@@ -78,6 +81,12 @@ def verify(path: Path) -> None:
         listed = {rel: (int(e["size"]), str(e["sha256"])) for rel, e in expected.items()}
     except (KeyError, TypeError, ValueError, AttributeError):
         raise CheckpointError(f"{manifest}: not a checkpoint manifest (entries need size and sha256)") from None
+    root = path.resolve()
+    for rel in listed:
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or not (path / rel).resolve().is_relative_to(root):
+            raise CheckpointError(f"{manifest}: entry {rel!r} points outside the checkpoint; not a checkpoint "
+                                  f"of this launcher")
     for rel, (size, digest) in listed.items():
         f = path / rel
         if not f.is_file():
@@ -93,8 +102,25 @@ def verify(path: Path) -> None:
     try:
         info = json.loads((path / INFO).read_text())
         int(info["step"]), int(info["consumed_prompts"])
-    except (ValueError, KeyError, TypeError, OSError):
+    except (ValueError, KeyError, TypeError, OSError, OverflowError):  # OverflowError: "step": Infinity
         raise CheckpointError(f"{path / INFO}: not valid training info (JSON with step, consumed_prompts)") from None
+    for rel in listed:
+        if Path(rel).name.endswith(".metadata"):
+            _check_pickle(path / rel)
+
+
+def _check_pickle(f: Path) -> None:
+    """A torch distributed checkpoint `.metadata` is a pickle: unpickle it with workers.safe_unpickle
+    (only the classes checkpoint metadata needs), before any reader unpickles it for real."""
+    from workers import safe_unpickle
+
+    try:
+        with open(f, "rb") as fh:
+            safe_unpickle.load(fh)
+    except safe_unpickle.Refused as e:
+        raise CheckpointError(f"{f}: {e}; the checkpoint was not written by this launcher, nothing was run") from None
+    except Exception as e:  # noqa: BLE001 - truncated or foreign bytes: the same user-facing problem
+        raise CheckpointError(f"{f}: not torch checkpoint metadata ({type(e).__name__})") from None
 
 
 # what a checkpoint's adapter/optimizer tensors depend on: resuming with any of these changed
