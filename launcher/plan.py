@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.config.compose import ConfigError
-from launcher.config.schema import GENERATION_SLOT, TRAIN_SLOT, Topology
+from launcher.config.schema import GENERATION_SLOT, TRAIN_SLOT, Topology, train_parallel_errors
 NODE_RESOURCE_UNITS = 1000  # `node_<i>` units per node; an actor asks for 1
 
 
@@ -131,12 +131,7 @@ def check(t: Topology) -> list[ConfigError]:
     if world % expert_par:
         err("train.expert_parallel", f"EP x ETP x PP = {expert_par} must divide the {world} trainer ranks; "
                                      f"allowed EP: {_divisors(world // (tr.expert_tensor_parallel * tr.pipeline_parallel) or 1)}")
-    if tr.sequence_parallel and tr.tensor_parallel == 1:
-        err("train.sequence_parallel", "needs train.tensor_parallel > 1")
-    elif tr.sequence_parallel and t.device == "cpu":
-        err("train.sequence_parallel", "needs Transformer Engine norms, not available on cpu: set it false")
-    if tr.context_parallel != 1:
-        err("train.context_parallel", f"the trainer does not split sequences yet: must be 1, got {tr.context_parallel}")
+    errs += train_parallel_errors(tr, cpu=t.device == "cpu")
     workers = gen.nodes * gen.ranks_per_node
     if gen.engines * gen.tensor_parallel != workers:
         err("generation.tensor_parallel", f"engines x TP = {gen.engines} x {gen.tensor_parallel} must equal the "

@@ -1,9 +1,10 @@
 """Tiny HF models and tokenizers built locally with random weights (there is no model hub here).
 
 Used by the embedded default run, the tests and the benchmarks. A recipe is a plain dict of
-architecture numbers; `build(out_dir, recipe)` writes a normal HF checkpoint directory
-(config.json, model.safetensors in float32, tokenizer files) that transformers, vLLM and
-Megatron-Bridge all load like any downloaded model.
+architecture numbers (`launcher.config.schema.BUILTIN_MODELS`, the values of `model.builtin`);
+`build(out_dir, recipe)` writes a normal HF checkpoint directory (config.json, model.safetensors
+in float32, tokenizer files) that transformers, vLLM and Megatron-Bridge all load like any
+downloaded model.
 
 Head sizes stay in {32, 64, ...}: vLLM's CPU attention supports only a fixed set of head sizes.
 The tokenizer is word-level over a fixed vocabulary (numbers 0-199, arithmetic words, letters),
@@ -13,8 +14,18 @@ tiny model can be rewarded for producing a particular word.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from launcher.config.schema import BUILTIN_MODELS
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = (
@@ -24,30 +35,6 @@ WORDS = (
     + [chr(c) for c in range(ord("a"), ord("z") + 1) if chr(c) != "a"]
 )
 
-# Architecture numbers per recipe. heads * head_dim need not equal hidden (it does not for
-# Nemotron-H), and the exporter tests rely on recipes where it does not.
-RECIPES: dict[str, dict] = {
-    # the default model: Llama-style GQA, 4 query heads in 2 groups, head_dim 32
-    "tiny_llama": dict(family="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    # Qwen2 style: q/k/v biases
-    "tiny_qwen2": dict(family="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    # GQA shapes for the adapter exporter: query groups 1, 2, 4 and heads*head_dim != hidden
-    "tiny_llama_mqa": dict(family="llama", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32),
-    "tiny_llama_g4": dict(family="llama", hidden_size=160, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=8, num_key_value_heads=4, head_dim=32),
-    # about 100M parameters, for the refit benchmark
-    "llama_100m": dict(family="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                       num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=4096),
-    # Nemotron-H family (transformers' NemotronHForCausalLM): M = Mamba2, * = attention, - = MLP
-    "tiny_nemotron_h": dict(family="nemotron_h", hidden_size=128, intermediate_size=256,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=48,
-                            hybrid_override_pattern="M*-*-"),
-}
-
-
 # chat=True: ChatML markers and roles, and a ChatML chat template (like Qwen's instruct tokenizers)
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -56,9 +43,6 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 def make_tokenizer(chat: bool = False):
     """A word-level fast tokenizer over WORDS (no training, deterministic, no hub)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORDS + (CHAT_TOKENS if chat else []))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
@@ -66,18 +50,16 @@ def make_tokenizer(chat: bool = False):
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation("isolated")])
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
     if not chat:
-        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                       eos_token="</s>", unk_token="<unk>")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="<|im_end|>", unk_token="<unk>",
-                                   additional_special_tokens=CHAT_TOKENS[:2])
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                    eos_token="</s>", unk_token="<unk>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="<|im_end|>", unk_token="<unk>",
+                                                additional_special_tokens=CHAT_TOKENS[:2])
     fast.chat_template = CHATML
     return fast
 
 
 def _hf_config(recipe: dict, vocab_size: int, tokenizer):
-    import transformers
-
     r = dict(recipe)
     family = r.pop("family")
     r.pop("vocab_size", None)
@@ -103,16 +85,9 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
     Idempotent: an existing complete directory built from the same recipe and seed is reused.
     Written into a temporary sibling and renamed, so concurrent builders never see half a model.
     """
-    import os
-    import shutil
-    import tempfile
-
-    import torch
-    import transformers
-
     transformers.utils.logging.disable_progress_bar()
     out = Path(out_dir)
-    stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": RECIPES[recipe]}
+    stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": BUILTIN_MODELS[recipe]}
     if chat:
         stamp["chat"] = True  # a ChatML tokenizer (make_tokenizer(chat=True))
     if (out / "tiny_model.json").exists() and json.loads((out / "tiny_model.json").read_text()) == stamp:
@@ -120,7 +95,7 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tokenizer = make_tokenizer(chat)
-    spec = RECIPES[recipe]
+    spec = BUILTIN_MODELS[recipe]
     vocab_size = max(spec.get("vocab_size", 0), len(tokenizer))
     cfg = _hf_config(spec, vocab_size, tokenizer)
     torch.manual_seed(seed)
@@ -143,11 +118,9 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
 
 
 def main(argv=None):
-    import argparse
-
     p = argparse.ArgumentParser(description="Build a tiny random-weight HF model + tokenizer locally.")
     p.add_argument("out_dir")
-    p.add_argument("--recipe", default="tiny_llama", choices=sorted(RECIPES))
+    p.add_argument("--recipe", default="tiny_llama", choices=sorted(BUILTIN_MODELS))
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     print(build(a.out_dir, a.recipe, a.seed))

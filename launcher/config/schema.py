@@ -61,6 +61,41 @@ class Topology:
     generation: GenerationRole = field(default_factory=GenerationRole)
 
 
+# Model families (HF model_type) and the Megatron module paths inside decoder.layers.N that LoRA
+# may wrap in each. The Megatron-Bridge class of a family lives in workers.lora.layout.
+LORA_MODULES: dict[str, tuple[str, ...]] = {
+    "llama": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
+    "qwen2": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
+    "nemotron_h": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                   "mixer.in_proj", "mixer.out_proj"),
+}
+FAMILIES = tuple(LORA_MODULES)
+
+# Built-in models (`model.builtin`, used when model.path is null): architecture numbers per recipe,
+# built locally with random weights by workers.tiny_models. heads * head_dim need not equal hidden
+# (it does not for Nemotron-H), and the exporter tests rely on recipes where it does not.
+BUILTIN_MODELS: dict[str, dict] = {
+    # the default model: Llama-style GQA, 4 query heads in 2 groups, head_dim 32
+    "tiny_llama": dict(family="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # Qwen2 style: q/k/v biases
+    "tiny_qwen2": dict(family="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # GQA shapes for the adapter exporter: query groups 1, 2, 4 and heads*head_dim != hidden
+    "tiny_llama_mqa": dict(family="llama", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32),
+    "tiny_llama_g4": dict(family="llama", hidden_size=160, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=32),
+    # about 100M parameters, for the refit benchmark
+    "llama_100m": dict(family="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                       num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=4096),
+    # Nemotron-H family (transformers' NemotronHForCausalLM): M = Mamba2, * = attention, - = MLP
+    "tiny_nemotron_h": dict(family="nemotron_h", hidden_size=128, intermediate_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                            hybrid_override_pattern="M*-*-"),
+}
+
+
 @dataclass
 class Model:
     name: str = "tiny_llama"
@@ -297,6 +332,36 @@ def from_dict(cls, d: dict | None, section: str):
     if unknown:
         raise ValueError(f"{section}: unknown keys {sorted(unknown)}")
     return cls(**d)
+
+
+# Rules that both the launcher's validation and the workers check (one definition each). They
+# return ConfigErrors; a worker raises ValueError(str(error)) of the first.
+
+
+def train_parallel_errors(train: TrainRole, cpu: bool) -> list[ConfigError]:
+    """Sequence and context parallelism of `topology.train` the trainer can run (`cpu`: no CUDA)."""
+    errs = []
+    if train.sequence_parallel and train.tensor_parallel == 1:
+        errs.append(ConfigError("topology.train.sequence_parallel", "needs train.tensor_parallel > 1"))
+    elif train.sequence_parallel and cpu:
+        errs.append(ConfigError("topology.train.sequence_parallel",
+                                "needs Transformer Engine norms, not available on cpu: set it false"))
+    if train.context_parallel != 1:
+        errs.append(ConfigError("topology.train.context_parallel",
+                                f"the trainer does not split sequences yet: must be 1, got {train.context_parallel}"))
+    return errs
+
+
+def loss_errors(loss: Loss) -> list[ConfigError]:
+    """The `grpo.loss` values the GRPO loss accepts."""
+    errs = []
+    if loss.ratio_clip_min < 0 or loss.ratio_clip_max < 0:
+        errs.append(ConfigError("grpo.loss.ratio_clip_min", "clip ranges must be non-negative"))
+    if loss.ratio_clip_c is not None and loss.ratio_clip_c <= 1:
+        errs.append(ConfigError("grpo.loss.ratio_clip_c", f"dual clip must be > 1 or null, got {loss.ratio_clip_c}"))
+    if loss.truncated_importance_sampling_ratio is not None and loss.truncated_importance_sampling_ratio <= 0:
+        errs.append(ConfigError("grpo.loss.truncated_importance_sampling_ratio", "must be positive or null"))
+    return errs
 
 
 def typed(cfg: DictConfig) -> Config:

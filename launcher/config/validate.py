@@ -16,16 +16,8 @@ from launcher import paths
 from launcher import plan as plan_mod
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
-from launcher.config.schema import REFIT_MODES, REFIT_TRANSPORTS as TRANSPORTS, Config
-
-# Megatron module paths (inside decoder.layers.N) that LoRA may wrap, per model family.
-LORA_MODULES = {
-    "llama": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
-    "qwen2": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
-    "nemotron_h": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
-                   "mixer.in_proj", "mixer.out_proj"),
-}
-FAMILIES = tuple(LORA_MODULES)
+from launcher.config.schema import (BUILTIN_MODELS, FAMILIES, LORA_MODULES, REFIT_MODES, REFIT_TRANSPORTS as TRANSPORTS,
+                                     Config, loss_errors)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
@@ -76,11 +68,9 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
     if m.dtype not in DTYPES:
         errs.append(ConfigError("model.dtype", f"must be one of {', '.join(DTYPES)}, got {m.dtype!r}"))
     if m.path is None:
-        from workers.tiny_models import RECIPES  # a plain dict; importing it does not import torch
-
-        if m.builtin not in RECIPES:
+        if m.builtin not in BUILTIN_MODELS:
             errs.append(ConfigError("model.builtin", f"with model.path null, must be a built-in recipe: "
-                                                     f"{', '.join(sorted(RECIPES))}; got {m.builtin!r}"))
+                                                     f"{', '.join(sorted(BUILTIN_MODELS))}; got {m.builtin!r}"))
     elif submitting or paths.model_dir(cfg).exists():
         errs += _model_dir(cfg)
     if m.num_attention_heads % max(m.num_query_groups, 1):
@@ -228,13 +218,7 @@ def _grpo(cfg: Config) -> list[ConfigError]:
         errs.append(ConfigError("grpo.top_p", f"must be in (0, 1], got {g.top_p}"))
     if g.use_leave_one_out_baseline and g.num_generations_per_prompt < 2:
         errs.append(ConfigError("grpo.use_leave_one_out_baseline", "needs num_generations_per_prompt >= 2"))
-    loss = g.loss
-    if loss.ratio_clip_min < 0 or loss.ratio_clip_max < 0:
-        errs.append(ConfigError("grpo.loss.ratio_clip_min", "clip ranges must be non-negative"))
-    if loss.ratio_clip_c is not None and loss.ratio_clip_c <= 1:
-        errs.append(ConfigError("grpo.loss.ratio_clip_c", f"dual clip must be > 1 or null, got {loss.ratio_clip_c}"))
-    if loss.truncated_importance_sampling_ratio is not None and loss.truncated_importance_sampling_ratio <= 0:
-        errs.append(ConfigError("grpo.loss.truncated_importance_sampling_ratio", "must be positive or null"))
+    errs += loss_errors(g.loss)
     return errs
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.lora import layout as lora_layout
+from workers.lora import layout as lora_layout, peft as lora_peft
 from workers.lora.layout import ModelLayout
-from workers.tiny_models import RECIPES
+from launcher.config.schema import BUILTIN_MODELS as RECIPES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -151,12 +151,12 @@ def test_hf_lora_groups_and_peft_names_from_adapter_state():
     qkv0 = groups[1]
     assert qkv0.lora_a is state["decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight"]
     assert [b.shape[0] for b in qkv0.lora_b] == [128, 64, 64]
-    peft = lora_layout.peft_state_dict(groups)
+    peft = lora_peft.peft_state_dict(groups)
     assert len(peft) == 2 * (3 + 2) * 2
     assert peft["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (64, r)
     assert torch.equal(peft["base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"],
                        state["module.decoder.layers.1.mlp.linear_fc1.adapter.linear_in.weight"])
-    cfg = lora_layout.peft_adapter_config(groups, dim=r, alpha=8)
+    cfg = lora_peft.peft_adapter_config(groups, dim=r, alpha=8)
     assert cfg["target_modules"] == ["gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
     assert (cfg["r"], cfg["lora_alpha"], cfg["peft_type"]) == (r, 8, "LORA")
 

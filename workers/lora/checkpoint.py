@@ -12,7 +12,7 @@ requested from DCP; its file reader then reads just their byte ranges (counted i
 the executed read plan), so base weights and optimizer state are never loaded and the checkpoint of a
 model far larger than this machine exports in seconds.
 
-Used by `launcher.export` (the post-training HF PEFT adapter exporter). torch is imported lazily:
+Used by `workers.lora.export` (the post-training HF PEFT adapter exporter). torch is imported lazily:
 the launcher package must stay torch-free at import time.
 """
 
@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LORA_SUFFIXES = (".adapter.linear_in.weight", ".adapter.linear_out.weight")
+# names of the LoRA factors of a wrapped linear: A = linear_in [r, in], B = linear_out [out, r]
+LORA_A_SUFFIX = ".adapter.linear_in.weight"
+LORA_B_SUFFIX = ".adapter.linear_out.weight"
+LORA_SUFFIXES = (LORA_A_SUFFIX, LORA_B_SUFFIX)
 _LAYER_INDEX = re.compile(r"(^|\.)layers\.\d+\.")
 
 # why an entry is not exported, by key prefix (first match wins); anything else: not a LoRA tensor

@@ -15,7 +15,8 @@ Which HF modules a Megatron linear maps to comes from Megatron-Bridge's own mapp
 `merge_qkv_weights`, so the layouts are the ones the Bridge uses for base weights, not re-derived.
 One correction: the Bridge names Nemotron-H modules `backbone.layers.N.mixer.*` (HF remote code);
 transformers v5 and vLLM name them `model.layers.N.mixer.*`, and vLLM silently ignores adapter
-weights whose module path does not exist, so the prefix is rewritten here.
+weights whose module path does not exist, so the prefix is rewritten here (`HF_PREFIXES`; every
+other place that matches HF names against a checkpoint asks `hf_name_candidates`).
 
 `merge_lora_weight` is the merge arithmetic of the Bridge's merged export (LoRAMerge under
 `_merge_single_adapter_weight`): float32, scale * (B @ A), then base + that, cast back. The
@@ -37,16 +38,34 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-# family -> (Bridge module, Bridge class, (registry prefix, prefix HF/vLLM use) or None)
-FAMILIES: dict[str, tuple[str, str, tuple[str, str] | None]] = {
-    "llama": ("megatron.bridge.models.llama.llama_bridge", "LlamaBridge", None),
-    "qwen2": ("megatron.bridge.models.qwen.qwen2_bridge", "Qwen2Bridge", None),
-    "nemotron_h": ("megatron.bridge.models.nemotronh.nemotron_h_bridge", "NemotronHBridge",
-                   ("backbone.", "model.")),
+from workers import cpu_shim
+from workers.lora.checkpoint import LORA_A_SUFFIX, LORA_B_SUFFIX
+
+# family (one of launcher.config.schema.FAMILIES) -> (Megatron-Bridge module, Bridge class): the
+# families this module can lay out
+BRIDGES: dict[str, tuple[str, str]] = {
+    "llama": ("megatron.bridge.models.llama.llama_bridge", "LlamaBridge"),
+    "qwen2": ("megatron.bridge.models.qwen.qwen2_bridge", "Qwen2Bridge"),
+    "nemotron_h": ("megatron.bridge.models.nemotronh.nemotron_h_bridge", "NemotronHBridge"),
 }
 
-LORA_A_SUFFIX = ".adapter.linear_in.weight"
-LORA_B_SUFFIX = ".adapter.linear_out.weight"
+# family -> (prefix in the Bridge's registry and HF remote-code checkpoints, prefix transformers v5 / vLLM use)
+HF_PREFIXES: dict[str, tuple[str, str]] = {"nemotron_h": ("backbone.", "model.")}
+
+
+def hf_name_candidates(name: str, family: str | None = None) -> list[str]:
+    """`name` first, then its other spellings in HF checkpoints (`model.` <-> `backbone.` for Nemotron-H).
+
+    With `family`, only that family's renames; without, every known one (for callers that only
+    have a checkpoint, such as the vLLM worker reading base weights).
+    """
+    renames = [HF_PREFIXES[family]] if family in HF_PREFIXES else [] if family else list(HF_PREFIXES.values())
+    out = [name]
+    for registry, hf in renames:
+        for a, b in ((hf, registry), (registry, hf)):
+            if name.startswith(a):
+                out.append(b + name[len(a):])
+    return out
 
 
 @dataclass(frozen=True)
@@ -60,8 +79,8 @@ class ModelLayout:
     hidden_size: int
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown model family {self.family!r} (known: {sorted(FAMILIES)})")
+        if self.family not in BRIDGES:
+            raise ValueError(f"unknown model family {self.family!r} (known: {sorted(BRIDGES)})")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"{self.num_attention_heads} heads do not split into "
                              f"{self.num_query_groups} query groups")
@@ -86,7 +105,7 @@ class ModelLayout:
         get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
         model_type = get("model_type")
         family = model_type  # HF's model_type names the family (llama, qwen2, nemotron_h)
-        if family not in FAMILIES:
+        if family not in BRIDGES:
             raise ValueError(f"no LoRA layout for HF model_type {model_type!r}")
         heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
         return cls(family=family, num_attention_heads=heads,
@@ -128,14 +147,12 @@ class HfLoraGroup:
 
 
 def _ensure_megatron_importable() -> None:
-    from workers import cpu_shim
-
     cpu_shim.apply("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @lru_cache(maxsize=None)
 def _registry(family: str):
-    module, cls, _ = FAMILIES[family]
+    module, cls = BRIDGES[family]
     _ensure_megatron_importable()
     return getattr(importlib.import_module(module), cls)().mapping_registry()
 
@@ -149,10 +166,8 @@ def _qkv_helpers():
 
 def _hf_module_name(family: str, hf_param: str) -> str:
     name = hf_param[: -len(".weight")] if hf_param.endswith(".weight") else hf_param
-    rename = FAMILIES[family][2]
-    if rename and name.startswith(rename[0]):
-        name = rename[1] + name[len(rename[0]):]
-    return name
+    registry, hf = HF_PREFIXES.get(family, ("", ""))
+    return hf + name[len(registry):] if registry and name.startswith(registry) else name
 
 
 @lru_cache(maxsize=4096)
@@ -209,7 +224,7 @@ def fuse_lora_b(layout: ModelLayout, mm: ModuleMap, parts: Iterable[torch.Tensor
 
 
 # --------------------------------------------------------------------------------------------
-# adapter state (Megatron names) -> HF groups -> PEFT
+# adapter state (Megatron names) -> HF groups (PEFT files from them: workers.lora.peft)
 
 
 _LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
@@ -250,43 +265,6 @@ def hf_lora_groups(layout: ModelLayout, adapter_state: Mapping[str, torch.Tensor
         mm = module_map(layout.family, module)
         groups.append(HfLoraGroup(module, mm.hf_modules, a, split_lora_b(layout, mm, b, fc1_tp_shards)))
     return groups
-
-
-def peft_state_dict(groups: Iterable[HfLoraGroup]) -> dict[str, torch.Tensor]:
-    """HF PEFT adapter tensors: base_model.model.<module>.lora_A.weight [r, in] / lora_B.weight [out, r].
-
-    Own storage per tensor: A is shared by the modules of a fused linear and the Bs may be views
-    of one fused B, and safetensors refuses to save tensors that share memory.
-    """
-    out = {}
-    for g in groups:
-        for module, b in zip(g.hf_modules, g.lora_b):
-            out[f"base_model.model.{module}.lora_A.weight"] = g.lora_a.clone(memory_format=torch.contiguous_format)
-            out[f"base_model.model.{module}.lora_B.weight"] = b.clone(memory_format=torch.contiguous_format)
-    return out
-
-
-def peft_adapter_config(groups: Iterable[HfLoraGroup], dim: int, alpha: float,
-                        base_model_name_or_path: str | None = None) -> dict[str, Any]:
-    """adapter_config.json content. PEFT scales by lora_alpha / r, Megatron by alpha / dim: equal."""
-    targets = sorted({m.rsplit(".", 1)[-1] for g in groups for m in g.hf_modules})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(dim), "lora_alpha": alpha,
-            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
-            "base_model_name_or_path": base_model_name_or_path}
-
-
-def write_peft_adapter(out_dir: str | Path, groups: list[HfLoraGroup], dim: int, alpha: float,
-                       base_model_name_or_path: str | None = None) -> Path:
-    """Write adapter_model.safetensors + adapter_config.json (what PeftModel and vLLM load)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(peft_state_dict(groups), str(out / "adapter_model.safetensors"))
-    config = peft_adapter_config(groups, dim, alpha, base_model_name_or_path)
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
-    return out
 
 
 # --------------------------------------------------------------------------------------------

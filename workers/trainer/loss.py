@@ -25,16 +25,18 @@ from typing import Optional
 
 import torch
 
-from launcher.config.schema import Loss, from_dict
+from launcher.config.schema import Loss, from_dict, loss_errors
 
 
 LossConfig = Loss  # the `grpo.loss` section (launcher.config.schema holds the one definition)
 
 
 def loss_config(d: dict | None) -> Loss:
+    """The `grpo.loss` section from plain data; ValueError naming the key on a value schema refuses."""
     cfg = from_dict(Loss, d, "grpo.loss")
-    if cfg.ratio_clip_c is not None and cfg.ratio_clip_c <= 1.0:
-        raise ValueError(f"grpo.loss.ratio_clip_c must be > 1 (or null), got {cfg.ratio_clip_c}")
+    errors = loss_errors(cfg)
+    if errors:
+        raise ValueError(str(errors[0]))
     return cfg
 
 

@@ -1,0 +1,57 @@
+"""Reading a local HF checkpoint directory (`*.safetensors`, optionally sharded with an index).
+
+`weight_shapes(dir)`       {name: shape} from the safetensors headers alone (8-byte length + JSON;
+                           no tensor is read)
+`read_tensors(dir, names)` the named torch tensors; a name matches its other HF spelling too
+                           (`workers.lora.layout.hf_name_candidates`: Nemotron-H's `backbone.`/`model.`)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from safetensors import safe_open
+
+from workers.lora.layout import hf_name_candidates
+
+INDEX = "model.safetensors.index.json"
+
+
+def weight_shapes(model_dir: str | Path) -> dict[str, list[int]]:
+    """{weight name: shape} of every tensor in the directory's *.safetensors files ({} if none)."""
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        shapes.update(weight_shapes_of_file(path))
+    return shapes
+
+
+def read_tensors(model_dir: str | Path, names: list[str]) -> dict:
+    """{name: tensor} for `names`, read from the checkpoint's safetensors files; KeyError if one is missing."""
+    root = Path(model_dir)
+    index = root / INDEX
+    if index.exists():
+        file_of = json.loads(index.read_text())["weight_map"]
+    else:
+        file_of = {key: "model.safetensors" for key in weight_shapes_of_file(root / "model.safetensors")}
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name in names:
+        stored = next((c for c in hf_name_candidates(name) if c in file_of), None)
+        if stored is None:
+            raise KeyError(f"{name} is not in the checkpoint {model_dir}")
+        by_file.setdefault(file_of[stored], []).append((name, stored))
+    out = {}
+    for file, pairs in by_file.items():
+        with safe_open(str(root / file), framework="pt") as f:
+            for name, stored in pairs:
+                out[name] = f.get_tensor(stored)
+    return out
+
+
+def weight_shapes_of_file(path: str | Path) -> dict[str, list[int]]:
+    """{weight name: shape} from one safetensors file's header."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
