@@ -32,7 +32,7 @@ class TrainedRun:
 
 
 def overrides(model_dir: Path, recipe: str, tp: int, run_name: str) -> list[str]:
-    from workers.tiny_models import RECIPES
+    from launcher.config.schema import BUILTIN_MODELS as RECIPES
 
     spec = RECIPES[recipe]
     return [f"model.name={recipe}", f"model.path={model_dir}", "model.builtin=null", f"model.family={spec['family']}",
@@ -59,7 +59,7 @@ def trained_run(cache_root: Path, model_dir: Path, recipe: str, tp: int) -> Trai
     from launcher.config import compose as config_mod
     from launcher.driver.checkpoints import CheckpointManager
     from launcher.config.schema import Checkpointing
-    from workers.trainer.actor import TrainerConfig
+    from workers.trainer.config import TrainerConfig
     from workers.trainer.group import TrainerGroup
 
     run = Path(cache_root) / f"{recipe}-tp{tp}"

@@ -103,7 +103,7 @@ def trainers(local_ray, model_dir):
     cpu_shim.apply("cpu")
     import megatron.core  # noqa: F401
 
-    from workers.trainer.actor import TrainerConfig
+    from workers.trainer.config import TrainerConfig
     from workers.trainer.group import TrainerGroup
 
     config = TrainerConfig.from_sections(model_dir, parallel={"tensor_parallel": 2}, peft=PEFT, optim=OPTIM,
@@ -277,7 +277,7 @@ def test_refit_without_prefix_cache_reset_is_caught(engines, trainers, model_dir
 
 
 def test_adapter_refit_matches_peft_model_and_the_trainer(lora_engine, engines, trainers, model_dir, tmp_path):
-    from workers.lora import layout as lora_layout
+    from workers.lora import layout as lora_layout, peft as lora_peft
 
     ps = prompts(4, seed=9)
     train_step(trainers, engines)
@@ -287,7 +287,7 @@ def test_adapter_refit_matches_peft_model_and_the_trainer(lora_engine, engines, 
     # HF PeftModel on a PEFT adapter written from the trainer's factors
     cfg = trainers.lora_config()
     groups = lora_layout.hf_lora_groups(lora_layout.ModelLayout.from_hf_config(model_dir), trainers.adapter_state())
-    adapter_dir = lora_layout.write_peft_adapter(tmp_path / "adapter", groups, cfg["dim"], cfg["alpha"], model_dir)
+    adapter_dir = lora_peft.write_peft_adapter(tmp_path / "adapter", groups, cfg["dim"], cfg["alpha"], model_dir)
     assert_matches(gens, hf_greedy(_hf_model(model_dir, adapter_dir=adapter_dir), ps))
     assert [g.token_ids for g in gens] == [t for t, _ in hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps)]
     assert_trainer_agrees(trainers, lora_engine, seed=300)

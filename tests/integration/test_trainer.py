@@ -14,6 +14,8 @@ import re
 import pytest
 import torch
 
+from tests.helpers.trainer import ProbedTrainer
+
 pytestmark = pytest.mark.integration
 
 PEFT = {"enabled": True, "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "dim": 8,
@@ -26,7 +28,7 @@ ATOL = 1e-5
 
 
 def make_config(model_dir, tp=1, peft=PEFT, micro_batch_size=0):
-    from workers.trainer.actor import TrainerConfig
+    from workers.trainer.config import TrainerConfig
 
     return TrainerConfig.from_sections(str(model_dir), parallel={"tensor_parallel": tp}, peft=peft, optim=OPTIM,
                                        loss=LOSS, seed=11, max_num_steps=20, micro_batch_size=micro_batch_size)
@@ -76,8 +78,8 @@ def with_logprobs(group, batch):
 def groups(local_ray, model_dir, tmp_path_factory):
     from workers.trainer.group import TrainerGroup
 
-    tp1 = TrainerGroup(make_config(model_dir, tp=1), num_ranks=1)
-    tp2 = TrainerGroup(make_config(model_dir, tp=2, micro_batch_size=2), num_ranks=2)
+    tp1 = TrainerGroup(make_config(model_dir, tp=1), num_ranks=1, actor_cls=ProbedTrainer)
+    tp2 = TrainerGroup(make_config(model_dir, tp=2, micro_batch_size=2), num_ranks=2, actor_cls=ProbedTrainer)
     start = tmp_path_factory.mktemp("start") / "step0"
     tp1.save_state(start)  # lets later groups begin from exactly the same adapters
     yield {"tp1": tp1, "tp2": tp2, "start": start}
@@ -180,7 +182,7 @@ def test_merged_export_reproduces_trainer_logprobs(groups, model_dir, batch):
 
 
 def test_refit_guard_raises_on_unmerged_names(groups):
-    from workers.trainer.actor import guard_refit_names
+    from workers.refit.wire import guard_names as guard_refit_names
     from workers.trainer.group import TrainerGroupError
 
     t = torch.zeros(1)
@@ -190,7 +192,7 @@ def test_refit_guard_raises_on_unmerged_names(groups):
             list(guard_refit_names([("ok.weight", t), (bad, t)]))
     # the real path: Megatron-Bridge without merging names wrapped bases `...base_layer...`
     with pytest.raises(TrainerGroupError, match=r"refit guard.*\.base_layer"):
-        groups["tp1"].export_merged(merge_adapters=False)
+        groups["tp1"].call("export_unmerged_state", keep="rank0")
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -278,7 +280,7 @@ def test_full_finetuning_trains_every_weight(local_ray, model_dir, batch):
     from workers.trainer.group import TrainerGroup
 
     group = TrainerGroup(make_config(model_dir, tp=1, peft={**PEFT, "enabled": False, "target_modules": []}),
-                         num_ranks=1)
+                         num_ranks=1, actor_cls=ProbedTrainer)
     try:
         assert group.infos[0]["num_parameters"]["trainable"] == group.infos[0]["num_parameters"]["total"]
         with pytest.raises(Exception, match="adapters=False"):

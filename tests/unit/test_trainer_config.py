@@ -8,7 +8,8 @@ import pytest
 import torch
 import yaml
 
-from workers.trainer.actor import TrainerConfig, guard_refit_names
+from workers.refit.wire import guard_names as guard_refit_names
+from workers.trainer.config import TrainerConfig
 from workers.trainer.group import split_batch
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

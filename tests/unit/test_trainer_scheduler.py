@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from workers import cpu_shim
-from workers.trainer.actor import MegatronTrainer, TrainerConfig
+from workers.trainer.actor import MegatronTrainer
+from workers.trainer.config import TrainerConfig
 
 
 def scheduler(max_num_steps: int, override: bool, style: str = "linear"):

@@ -1,7 +1,7 @@
 """TrainerGroup: the driver's handle on N MegatronTrainer Ray actors (one per trainer rank).
 
 The group creates one actor per rank with its own `.options()` dict (docs/architecture.md:
-`resources={"train_slot": 1, "node_<i>": 1}`, plus `num_gpus=1` on cuda), asks rank 0 for its
+`resources={TRAIN_SLOT: 1, "node_<i>": 1}`, plus `num_gpus=1` on cuda), asks rank 0 for its
 node IP and a free port, and has every rank join the process group there. Each method fans out
 to all ranks (megatron calls are collective) and gathers the answer:
   logprobs / train   split the batch's sequences into contiguous data-parallel shards (every
@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from workers.trainer.actor import MegatronTrainer, TrainerConfig
+import ray
+import torch
+
+from launcher.config.schema import TRAIN_SLOT
+from workers.trainer.actor import MegatronTrainer
+from workers.trainer.config import TrainerConfig
 
 
 class TrainerGroupError(RuntimeError):
@@ -24,8 +29,6 @@ class TrainerGroupError(RuntimeError):
 
 def split_batch(batch: dict, parts: int) -> list[dict]:
     """Contiguous, as-even-as-possible shards of a batch's sequences (dim 0 of every tensor)."""
-    import torch
-
     size = batch["input_ids"].shape[0]
     if size < parts:
         raise ValueError(f"batch of {size} sequences cannot be split over {parts} data-parallel ranks")
@@ -36,19 +39,19 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
 
 class TrainerGroup:
     def __init__(self, config: TrainerConfig, actor_options: Optional[list[dict]] = None,
-                 num_ranks: Optional[int] = None, poll_s: float = 1.0):
-        import ray
-
+                 num_ranks: Optional[int] = None, poll_s: float = 1.0,
+                 actor_cls: type[MegatronTrainer] = MegatronTrainer):
+        """actor_cls: the class each rank's actor runs (a subclass adds probes in tests)."""
         if actor_options is None:
             if not num_ranks:
                 raise ValueError("give actor_options (one dict per rank) or num_ranks")
             cuda = config.device.startswith("cuda")
-            actor_options = [{"num_cpus": 1, "resources": {"train_slot": 1}, **({"num_gpus": 1} if cuda else {})}
+            actor_options = [{"num_cpus": 1, "resources": {TRAIN_SLOT: 1}, **({"num_gpus": 1} if cuda else {})}
                              for _ in range(num_ranks)]
         self.config = config
         self.world_size = len(actor_options)
         self.poll_s = poll_s
-        remote_cls = ray.remote(MegatronTrainer)
+        remote_cls = ray.remote(actor_cls)
         self.actors = [remote_cls.options(**opts).remote(config, rank, self.world_size)
                        for rank, opts in enumerate(actor_options)]
         self.where = self._call("where")
@@ -68,8 +71,6 @@ class TrainerGroup:
 
     def _get(self, refs: list, ranks: list[int]) -> list:
         """ray.get that fails fast: the first rank that raises or dies ends the call, named."""
-        import ray
-
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
@@ -102,8 +103,6 @@ class TrainerGroup:
 
     # ----------------------------------------------------------------- the trainer API
     def logprobs(self, batch: dict, adapters: bool = True):
-        import torch
-
         answers = self._call("logprobs", per_rank_args=[(s[0], adapters) for s in self._shards(batch)])
         by_dp: dict[int, Any] = {}
         for info, answer in zip(self.infos, answers):
@@ -114,8 +113,8 @@ class TrainerGroup:
     def train(self, batch: dict) -> dict:
         return self._call("train", per_rank_args=self._shards(batch))[0]
 
-    def export_merged(self, merge_adapters: Optional[bool] = None) -> list[tuple[str, Any]]:
-        return self._call("export_merged_state", keep="rank0", merge_adapters=merge_adapters)[0]
+    def export_merged(self) -> list[tuple[str, Any]]:
+        return self._call("export_merged_state", keep="rank0")[0]
 
     def adapter_state(self) -> dict:
         return self._call("adapter_state")[0]
@@ -133,7 +132,7 @@ class TrainerGroup:
         return self._call("load_state", str(directory))[0]
 
     def refit_payload(self, mode: str, bucket_mb: int):
-        """workers.refit.trainer_payload on every rank (the export is collective); rank 0's payload."""
+        """workers.refit.sender.Sender.payload on every rank (the export is collective); rank 0's payload."""
         return self._call("refit_payload", mode, bucket_mb)[0]
 
     def open_refit_group(self, host: str, port: int, world_size: int, backend: str = "gloo"):
@@ -145,8 +144,6 @@ class TrainerGroup:
         self._get([self.actors[0].close_refit_group.remote()], ranks=[0])
 
     def shutdown(self) -> None:
-        import ray
-
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []

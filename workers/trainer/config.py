@@ -1,0 +1,72 @@
+"""TrainerConfig: what one trainer rank needs, built from the run config's plain sections.
+
+The sections are launcher.config.schema's dataclasses (one definition of every key): topology.train,
+peft, optim and grpo.loss. The rules the launcher also checks (sequence / context parallelism, the
+loss) are schema's functions, so a trainer built outside the launcher refuses the same configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.config.schema import Optim, Peft, TrainRole, from_dict, train_parallel_errors
+from workers import cpu_shim
+from workers.trainer.loss import LossConfig, loss_config
+
+ParallelConfig, PeftConfig, OptimConfig = TrainRole, Peft, Optim
+
+
+@dataclass
+class TrainerConfig:
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 1234
+    max_num_steps: int = 10  # scheduler decay steps when optim.lr_decay_iters is null
+    micro_batch_size: int = 0  # sequences per micro-batch; 0: the rank's whole shard at once
+    activation_checkpointing: bool = False
+    init_timeout_s: float = 600.0
+    megatron_log_level: str = "WARNING"  # megatron's INFO logs list every bucket and config field
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    @classmethod
+    def from_sections(cls, model_path: str, *, parallel: dict | None = None, peft: dict | None = None,
+                      optim: dict | None = None, loss: dict | None = None, **top) -> "TrainerConfig":
+        """Build from plain config sections (topology.train, peft, optim, grpo.loss) + top-level keys."""
+        cfg = from_dict(cls, {"model_path": str(model_path), **top}, "trainer")
+        cfg.parallel = from_dict(TrainRole, parallel, "topology.train")
+        cfg.peft = from_dict(Peft, peft, "peft")
+        cfg.optim = from_dict(Optim, optim, "optim")
+        cfg.loss = loss_config(loss)
+        cfg.check()
+        return cfg
+
+    @classmethod
+    def from_run_config(cls, cfg: dict, model_path: str, **top) -> "TrainerConfig":
+        """From the composed run config as plain data (OmegaConf.to_container(cfg, resolve=True))."""
+        return cls.from_sections(
+            model_path, parallel=cfg["topology"]["train"], peft=cfg["peft"], optim=cfg["optim"],
+            loss=cfg["grpo"]["loss"], **{"device": cfg["topology"]["device"], "dtype": cfg["model"]["dtype"],
+                                         "seed": cfg["run"]["seed"], "max_num_steps": cfg["grpo"]["max_num_steps"],
+                                         **top})
+
+    def check(self) -> None:
+        if self.peft.enabled and not self.peft.target_modules:
+            raise ValueError("peft.enabled needs a non-empty peft.target_modules")
+        if self.peft.enabled and self.peft.dim <= 0:
+            raise ValueError("peft.enabled needs peft.dim > 0")
+        if self.optim.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optim.optimizer must be adam or sgd, got {self.optim.optimizer!r}")
+        errors = train_parallel_errors(self.parallel, cpu=cpu_shim.is_cpu(self.device))
+        if errors:
+            raise ValueError(str(errors[0]))
+
+    @property
+    def use_distributed_optimizer(self) -> bool:
+        flag = self.optim.use_distributed_optimizer
+        if flag == "auto":
+            return not cpu_shim.is_cpu(self.device)  # megatron's distributed optimizer refuses CPU
+        return bool(flag)
