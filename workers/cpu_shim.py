@@ -3,8 +3,10 @@
 Megatron assumes CUDA (and Transformer Engine, triton) in a handful of places. On CPU the
 trainer calls `apply("cpu")` before it imports megatron, and wraps the few megatron calls that
 build tensors on "cuda" (optimizer step, gradient clipping, grad-norm) in `cuda_factories_on_cpu()`.
-On cuda `apply` does nothing (except the Python 3.11 alias below, which is not about the device)
-and the context manager is a no-op, so the same trainer code runs unchanged on GPUs.
+On cuda `apply` does nothing (except the Python 3.11 alias below, which is not about the device,
+and, where Transformer Engine is not installed, the TE import stub and bridge_no_te: the bridge's
+LoRA imports TE unconditionally) and the context manager is a no-op, so the same trainer code runs
+unchanged on GPUs.
 
 Patches, each with what and why (all recorded in APPLIED):
   typing_override   typing.override := typing_extensions.override. megatron-core 0.19 declares
@@ -15,7 +17,8 @@ Patches, each with what and why (all recorded in APPLIED):
                     torch.cuda.synchronize() does nothing: megatron DDP's grad sync asks for the
                     current stream before every reduction and dist_checkpointing synchronizes
                     before writing (CPU ops are synchronous: there is nothing to wait for).
-  import_stubs      a builtins.__import__ hook that hands (a) a dummy `transformer_engine` only to
+  import_stubs      (te_stub: part (a) alone, on cuda without TE)
+                    a builtins.__import__ hook that hands (a) a dummy `transformer_engine` only to
                     `megatron.bridge.peft.*` (lora_layers.py imports it unconditionally) and
                     (b) a permissive dummy `triton` only to `megatron.*` (megatron-core imports
                     triton at import time for kernels we never run). sys.modules is untouched, so
@@ -65,10 +68,13 @@ def apply(device: str) -> list[str]:
     """Patch megatron for `device` ("cpu" or "cuda"); idempotent; returns the names applied."""
     _typing_override()
     if not is_cpu(device):
+        if not _installed("transformer_engine"):  # cuda without TE: the bridge's LoRA still imports it
+            _import_stubs(triton=not _installed("triton"))
+            _bridge_no_te()
         return list(APPLIED)
     _current_device()
     _cuda_sync()
-    _import_stubs()
+    _import_stubs(triton=True)
     _causal_mask()
     _bridge_no_te()
     _moe_dispatcher()
@@ -188,24 +194,43 @@ def _te_stub() -> types.ModuleType:
     return te
 
 
-def _import_stubs() -> None:
-    if not _once("import_stubs"):
-        return
-    te = _te_stub()
-    triton = _StubModule("triton")
-    triton.__version__ = "3.0.0"
+_STUBS: dict = {}  # what the import hook hands out: "te" (always once installed), "triton" (cpu only)
+
+
+def _import_stubs(triton: bool) -> None:
+    """The import hook: the TE stub ("te_stub"); with `triton` also the triton stub ("import_stubs":
+    on cpu, and on cuda only where triton is not installed)."""
+    if triton and "triton" not in _STUBS:
+        stub = _StubModule("triton")
+        stub.__version__ = "3.0.0"
+        _STUBS["triton"] = stub
+        _once("import_stubs")
+    if "te" in _STUBS:
+        return  # the hook is installed; it reads _STUBS
+    _STUBS["te"] = _te_stub()
+    _once("te_stub")
 
     def _import(name, globals=None, locals=None, fromlist=(), level=0):
         if level == 0 and globals is not None:
             importer = globals.get("__name__", "") or ""
             top = name.partition(".")[0]
             if top == "transformer_engine" and importer.startswith("megatron.bridge.peft."):
+                te = _STUBS["te"]
                 return te.pytorch if name == "transformer_engine.pytorch" and fromlist else te
-            if top == "triton" and importer.startswith("megatron."):
-                return triton
+            if top == "triton" and importer.startswith("megatron.") and "triton" in _STUBS:
+                return _STUBS["triton"]
         return _ORIGINAL_IMPORT(name, globals, locals, fromlist, level)
 
     builtins.__import__ = _import
+
+
+def _installed(package: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _causal_mask() -> None:

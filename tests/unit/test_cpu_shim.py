@@ -13,7 +13,9 @@ PROBE = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from workers import cpu_shim
-out = {"cuda_applied": cpu_shim.apply("cuda")}
+import importlib.util
+out = {"te_installed": importlib.util.find_spec("transformer_engine") is not None}
+out["cuda_applied"] = cpu_shim.apply("cuda")
 out["cuda_ctx_is_null"] = type(cpu_shim.cuda_factories_on_cpu("cuda")).__name__ == "nullcontext"
 out["cpu_applied"] = cpu_shim.apply("cpu")
 import torch
@@ -61,7 +63,11 @@ def test_cpu_shim_patches_only_what_it_says():
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(out["cuda_applied"]) <= {"typing_override"}  # on cuda: only the Python 3.11 alias
+    # on cuda: the Python 3.11 alias, and without Transformer Engine its import stub for the bridge's LoRA
+    assert set(out["cuda_applied"]) <= {"typing_override", "te_stub", "bridge_no_te"} | (
+        set() if out["triton_installed"] else {"import_stubs"})  # a triton stub only where triton is missing
+    if not out["te_installed"]:
+        assert {"te_stub", "bridge_no_te"} <= set(out["cuda_applied"])
     assert out["cuda_ctx_is_null"]
     assert set(out["cpu_applied"]) >= {"current_device", "cuda_sync", "import_stubs", "causal_mask", "bridge_no_te"}
     assert out["current_device"] == "cpu"
