@@ -226,6 +226,10 @@ def _grpo_sampling(cfg: Config) -> list[ConfigError]:
     """Validation, DAPO dynamic sampling and overlong shaping (issue 11)."""
     g = cfg.grpo
     errs = []
+    if 0 < g.top_p < 1:
+        errs.append(ConfigError("grpo.top_p", f"must be 1.0, got {g.top_p}: the trainer's logprobs do not apply vLLM's "
+                                              f"top-p truncation, so the gradient would be biased (lower "
+                                              f"grpo.temperature to sharpen sampling)"))
     if g.val_period < 0:
         errs.append(ConfigError("grpo.val_period", f"must be 0 (off) or a number of steps, got {g.val_period}"))
     elif (g.val_period or g.val_at_start) and cfg.data.validation is None:

@@ -11,6 +11,7 @@ ends the loop at a step boundary after a checkpoint, so no step is lost or repea
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -67,6 +68,8 @@ class GrpoRun:
         gen_cfg = GeneratorConfig.from_sections(
             str(self.model_dir), plain["vllm"], {"tensor_parallel": plan.generation_tp},
             device=cfg.topology.device, refit_mode=cfg.refit.mode, seed=cfg.run.seed)
+        # logprobs of the distribution tokens are sampled from (after grpo.temperature), what the trainer computes
+        gen_cfg = dataclasses.replace(gen_cfg, logprobs_mode="processed_logprobs")
         requested = time.time()
         self.trainers, self.generators = start_together(  # trainer ranks and vLLM engines start at once
             lambda: TrainerGroup(train_cfg, [plan_mod.trainer_options(plan, r) for r in range(plan.train_world)]),

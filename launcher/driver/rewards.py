@@ -135,6 +135,8 @@ def check(r: Reward, submitting: bool) -> list[ConfigError]:
     errs = []  # timeout_s and workers: their ranges are in launcher.config.ranges
     if r.on_error not in ("zero", "fail"):
         errs.append(ConfigError("reward.on_error", f"must be zero or fail, got {r.on_error!r}"))
+    if r.fn == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        errs.append(ConfigError("reward.fn", "math_verify needs the math-verify package (pip install math-verify)"))
     src = file_part(r.fn)
     if src is not None and not src.exists() and not submitting:
         return errs  # a dry run may plan for a filesystem this machine does not see

@@ -60,6 +60,8 @@ def files(tmp_path):
                                      "max_new_tokens = 504, got 600"),
     (["grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_gen_batches=0"],
      "grpo.dynamic_sampling.max_gen_batches: must be at least 1, got 0"),
+    (["grpo.top_p=0.9"], "grpo.top_p: must be 1.0, got 0.9: the trainer's logprobs do not apply vLLM's top-p "
+                         "truncation, so the gradient would be biased (lower grpo.temperature to sharpen sampling)"),
     (["grpo.overlong_penalty.buffer_tokens=9"],
      "grpo.overlong_penalty.buffer_tokens: must be in [1, max_new_tokens = 8] or null, got 9"),
 ])
