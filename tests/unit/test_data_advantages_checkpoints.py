@@ -112,3 +112,19 @@ def test_metrics_jsonl_drops_steps_after_the_resumed_checkpoint(tmp_path, capsys
     assert [(r["step"], r["train/reward"]) for r in read(tmp_path / "metrics.jsonl")] == [(1, 0.1), (2, 0.2), (3, 0.7)]
     text = summary(read(tmp_path / "metrics.jsonl")[:2])
     assert "reward (first -> last 1 steps)     0.100 -> 0.200" in text
+
+
+def test_overlong_penalty_by_hand():
+    from launcher.config.schema import OverlongPenalty
+
+    g = Grpo(max_new_tokens=10, num_generations_per_prompt=4, reward_scaling=RewardScaling(enabled=False),
+             normalize_rewards=False, advantage_clip=None)
+    assert advantages.overlong_penalty([3, 10], g) == [0.0, 0.0]  # off by default
+    g.overlong_penalty = OverlongPenalty(enabled=True, buffer_tokens=4, max_penalty=0.5)
+    # free up to 10 - 4 = 6 tokens, then linear down to -0.5 at the limit
+    assert advantages.overlong_penalty([3, 6, 7, 8, 10], g) == [0.0, 0.0, -0.125, -0.25, -0.5]
+    g.overlong_penalty = OverlongPenalty(enabled=True)  # buffer null: max_new_tokens // 4 = 2
+    assert advantages.overlong_penalty([8, 9, 10], g) == [0.0, -0.5, -1.0]
+    # equal rewards, different lengths: the penalty alone separates the group
+    adv = advantages.compute([1.0, 1.0, 1.0, 1.0], g, advantages.overlong_penalty([4, 9, 10, 10], g))
+    assert adv == [0.625, 0.125, -0.375, -0.375]  # shaped [1, 0.5, 0, 0] minus their mean 0.375
