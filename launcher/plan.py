@@ -184,13 +184,17 @@ def trainer_options(plan: Plan, rank: int) -> dict:
 
 
 def generator_options(plan: Plan, engine: int) -> dict:
-    """The engine actor sits on the engine's first node. On cuda an engine within one node takes
-    its TP GPUs; an engine spanning nodes (ultra_6n4g: TP8 over 2 nodes) takes none itself - vLLM's
-    Ray executor places one worker per GPU on the engine's nodes."""
+    """The engine actor sits on the engine's first node. On cuda a TP=1 engine runs its one vLLM
+    worker in the actor's process and takes that GPU. A TP>1 engine (one node or several, as
+    ultra_6n4g's TP8 over 2 nodes) takes no GPU itself: vLLM's Ray executor then creates its own
+    placement group of TP bundles of one GPU each, the first pinned to the actor's node
+    (`node:<ip>`), and first checks that this node still has a GPU free
+    (vllm/v1/executor/ray_utils.py initialize_ray_cluster). Had the actor reserved the TP GPUs,
+    that group could never be placed on a node with exactly those GPUs."""
     nodes = plan.engine_nodes(engine)
     workers_here = sum(1 for n in plan.nodes if n.index == nodes[0] for e, _ in n.generation_workers if e == engine)
     opts: dict = {"num_cpus": 0,
                   "resources": {GENERATION_SLOT: workers_here, node_resource(nodes[0]): 1}}
-    if plan.device == "cuda" and len(nodes) == 1:
-        opts["num_gpus"] = plan.generation_tp
+    if plan.device == "cuda" and plan.generation_tp == 1:
+        opts["num_gpus"] = 1
     return opts
