@@ -60,9 +60,9 @@ def val_reward(row: dict):
     return None
 
 
-def step_line(step: int, total: int, row: dict, s_per_step: float | None = None) -> str:
+def step_line(step: int, total: int, row: dict, s_per_step: float | None = None, running: bool = True) -> str:
     """`[####....] step 3/10  reward 0.412  loss +0.0123  gen_kl_error 1.2e-05  3.4 s/step  refit 0.12s  ETA 24s`
-    (the fields the row has). `s_per_step` defaults to this row's own step time."""
+    (the fields the row has). `s_per_step` defaults to this row's own step time; no ETA unless `running`."""
     sps = s_per_step if s_per_step is not None else _get(row, "timing/total_step")
     parts = [f"{bar(step, total)} step {step}/{total}"]
     for label, key, fmt in (("reward", "train/reward", ".3f"), ("loss", "train/loss", "+.4f"),
@@ -76,7 +76,7 @@ def step_line(step: int, total: int, row: dict, s_per_step: float | None = None)
         parts.append(f"{sps:.1f} s/step")
     if _number(row.get("timing/transfer_and_update_weights")):
         parts.append(f"refit {float(row['timing/transfer_and_update_weights']):.2f}s")
-    if step < total and sps is not None:
+    if running and step < total and sps is not None:
         parts.append(f"ETA {duration(eta(step, total, sps))}")
     return "  ".join(parts)
 

@@ -211,7 +211,8 @@ def render(infos: list[dict]) -> str:
     for i in infos:
         lines.append(f"{i['run']}: {i['run_dir']}")
         if i["last_row"]:
-            lines.append("  " + progress.step_line(i["step"], i["max_num_steps"], i["last_row"], i["seconds_per_step"]))
+            lines.append("  " + progress.step_line(i["step"], i["max_num_steps"], i["last_row"], i["seconds_per_step"],
+                                                   running=i["state"] == "RUNNING"))
         if i["checkpoint"]:
             lines.append(f"  newest checkpoint: {i['checkpoint']}")
         if i["failures"] or i["last_failure"]:

@@ -39,7 +39,7 @@ def stop_run(run_dir: Path, wait: bool = True, timeout: float = 3600.0) -> int:
     if state not in ACTIVE:
         print(f"error: {run_dir}: not running (job {job or '-'} {state}); nothing to stop", file=sys.stderr)
         return 1
-    stop_mod.write_stop_request(run_dir, by=f"python -m launcher.stop ({time.strftime('%H:%M:%S')})")
+    stop_mod.write_stop_request(run_dir, by="python -m launcher.stop")
     _say(f"asked job {job} ({info['run']}, step {info['step']}/{info['max_num_steps']}) to stop after its "
          f"current step and a checkpoint; it will not be requeued")
     if not wait:

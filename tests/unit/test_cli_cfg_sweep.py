@@ -211,6 +211,7 @@ def test_step_line_and_eta():
         "[#######.................] step 3/10  reward 0.412  loss +0.0123  gen_kl_error 1.20e-05  "
         "val_reward 0.500  3.0 s/step  refit 0.12s  ETA 21s")
     assert progress.step_line(10, 10, {"train/reward": 1.0}) == "[########################] step 10/10  reward 1.000"
+    assert progress.step_line(3, 10, row, running=False).endswith("3.0 s/step  refit 0.12s")  # ended: no ETA
     assert [progress.duration(s) for s in (None, 5, 65, 7300)] == ["-", "5s", "1m05s", "2h01m"]
     assert progress.seconds_per_step([{"timing/total_step": t} for t in (9, 1, 2, 3, 4, 5)]) == 3.0
 
