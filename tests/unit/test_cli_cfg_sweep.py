@@ -272,6 +272,8 @@ def test_status_of_a_local_run_from_its_run_directory(tmp_path, capsys):
     (shown,) = json.loads(capsys.readouterr().out)
     assert (shown["state"], shown["failures"], shown["last_failure"]) == (
         "FAILED", 1, f"T job local-{os.getpid()}: node 1 left")
+    assert status_mod.main([str(run), "--watch", "0.1"]) == 0  # ends by itself: the run has ended
+    assert "FAILED" in capsys.readouterr().out
     assert status_mod.main([str(tmp_path)]) == 0  # a folder of runs
     text = capsys.readouterr().out
     assert "local-tiny_llama" in text and "3/6" in text and "step_2" in text
@@ -320,3 +322,15 @@ def test_status_finds_a_run_by_its_overrides_and_says_what_is_missing(tmp_path, 
     assert capsys.readouterr().err.strip() == (f"error: {tmp_path}: no run directory here (no config.yaml, "
                                                f"sweep.jsonl or runs below)")
     assert status_mod.main(["--watch", "x"]) == 2
+
+
+def test_cfg_job_with_multirun_prints_each_point_as_its_run_would_save_it(tmp_path):
+    p = cli("--cfg", "job", "-m", "topology=slurm_2n", "peft.dim=8,16", f"run.root={tmp_path}")
+    assert p.returncode == 0, p.stderr
+    docs = p.stdout.split("# point ")[1:]
+    assert [d.splitlines()[0] for d in docs] == [
+        f"0: peft.dim=8 -> {tmp_path}/slurm_2n-tiny_llama-dim8", f"1: peft.dim=16 -> {tmp_path}/slurm_2n-tiny_llama-dim16"]
+    saved = [yaml.safe_load(d.split("\n", 1)[1]) for d in docs]
+    assert [(c["peft"]["dim"], c["run"]["name"]) for c in saved] == [
+        (8, "slurm_2n-tiny_llama-dim8"), (16, "slurm_2n-tiny_llama-dim16")]
+    assert list(tmp_path.iterdir()) == []
