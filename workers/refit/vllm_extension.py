@@ -5,14 +5,18 @@ it into its worker class and the engine calls the methods with `collective_rpc("
 Every name starts with `refit_` / `_refit_`: vLLM refuses an extension whose attributes clash
 with the worker's (it already has e.g. `update_weights`).
 
-Loading weights into a running engine:
-  CPU   `model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`. A plain
-        `model.load_weights` fails after start-up because the CPU backend has repacked the
-        linear weights (their Parameters are empty and have no weight_loader); the layerwise
-        reload restores the checkpoint layout, loads and re-packs. A partial set of weights is
-        fine as long as each fused vLLM module gets all its parts (q, k and v together), which
-        holds because one Megatron linear maps to one whole vLLM module.
-  cuda  `model.load_weights(...)` then `process_weights_after_loading(...)` (as upstream).
+Loading weights into a running engine, on CPU and cuda alike:
+`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)` (vLLM's layerwise
+reload, model_executor/model_loader/reload/). It restores each layer's checkpoint layout, loads,
+and runs the layer's post-load processing (repacking, MoE kernel re-layout, quantization) only for
+the layers whose weights arrived, then copies the results into the original kernel tensors (CUDA
+graphs keep their pointers); a layer that got no weights gets its kernel tensors back unprocessed.
+So a partial reload (merged_delta sends only the LoRA-targeted modules) leaves every other layer
+exactly as it was. A plain `model.load_weights` + whole-model `process_weights_after_loading`
+would re-process layers that were not reloaded (MoE kernels re-layout their already processed
+weights) and fails on CPU, whose linear Parameters are empty after repacking. Each fused vLLM
+module must get all its parts (q, k and v together): one Megatron linear maps to one whole vLLM
+module, so it does.
 
 merged_delta: the worker keeps the base tensors of the targeted modules (read once from the
 checkpoint the engine was started from, in the engine's dtype) and writes
@@ -107,17 +111,9 @@ class RefitWorkerExtension:
         return receiver
 
     def _refit_load(self, named, partial: bool) -> None:
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            with _quiet_partial_reload() if partial else contextlib.nullcontext():
-                self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
-        else:
-            from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-            model = self.model_runner.get_model()
-            model.load_weights(weights=named)
-            process_weights_after_loading(model, self.model_runner.model_config, self._refit_device())
+        """Only the layers `named` reaches are reloaded and re-processed (see the module docstring)."""
+        with _quiet_partial_reload() if partial else contextlib.nullcontext():
+            self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
 
     # ------------------------------------------------------------------ merged_delta
     def _refit_merged_deltas(self, layout: wire.RefitLayout, named):
