@@ -29,6 +29,7 @@ from pathlib import Path
 from launcher import paths
 from launcher.driver import checkpoints
 from launcher.config import compose as config_mod
+from launcher.config import model_facts
 from launcher.config.compose import ConfigError
 from launcher.config.schema import typed
 from launcher.config.validate import VLLM_LORA_RANKS
@@ -78,6 +79,10 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
         raise ExportError(f"{base}: no config.json, not an HF model directory (from {where}); "
                           "pass --base-model PATH")
     base = base.resolve()
+    try:  # a config.json that is not an object, lacks the head counts or has a string for a number
+        model_facts.read(base)
+    except ConfigError as e:
+        raise ExportError(f"{e.message} (the base model, from {where})") from None
 
     done = export_adapter(ckpt / "trainer", out, base, family=cfg.model.family, dim=cfg.peft.dim,
                           alpha=cfg.peft.alpha, peft_enabled=cfg.peft.enabled, config_file=ckpt / "config.yaml")

@@ -144,3 +144,20 @@ def test_infinite_step_is_one_clear_error(checkpoint):
     rewrite_manifest(checkpoint)
     with pytest.raises(CheckpointError, match="not valid training info"):
         verify(checkpoint)
+
+
+@pytest.mark.parametrize("config,message", [
+    ("[1, 2]", "config.json must hold a JSON object, got list"),
+    ('{"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2}', "num_attention_heads is missing"),
+    ('{"model_type": "llama", "hidden_size": "big", "num_attention_heads": 4, "num_hidden_layers": 2}',
+     "hidden_size must be a positive integer, got 'big'"),
+])
+def test_export_base_model_with_an_odd_config_is_one_line(checkpoint, tmp_path, capsys, config, message):
+    from launcher.export import main
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(config)
+    rc = main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--base-model", str(base)])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "(the base model, from --base-model)" in err and err.count("\n") == 1, err
