@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.config.compose import ConfigError
-from launcher.config.schema import Checkpointing
+from launcher.config.schema import Checkpointing, Config
+from launcher.paths import absolute
 
 _STEP = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -124,10 +125,13 @@ def _check_pickle(f: Path) -> None:
 
 
 # what a checkpoint's adapter/optimizer tensors depend on: resuming with any of these changed
-# would load tensors of the wrong shape or meaning
+# would load tensors of the wrong shape or meaning (the base model: which weights the adapters
+# were trained on, not only its shape; the optimizer: what its state tensors are)
 COMPATIBLE = (("model", ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                         "head_dim", "num_experts")),
-              ("peft", ("enabled", "dim", "target_modules")))
+                         "head_dim", "num_experts", "moe_router_topk", "dtype", "builtin", "path")),
+              ("peft", ("enabled", "dim", "target_modules", "alpha", "lora_dtype")),
+              ("optim", ("optimizer",)))
+_PATHS = {("model", "path")}
 
 
 def check_compatible(ckpt: Path, cfg) -> None:
@@ -140,8 +144,11 @@ def check_compatible(ckpt: Path, cfg) -> None:
         raise ConfigError("resume", f"{ckpt / 'config.yaml'}: unreadable; not a checkpoint of this launcher") from None
     for section, keys in COMPATIBLE:
         for key in keys:
-            before, now = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+            default = getattr(getattr(Config(), section), key)  # a key the saved YAML left to the schema
+            before, now = (saved.get(section) or {}).get(key, default), getattr(getattr(cfg, section), key)
             before = list(before) if hasattr(before, "__iter__") and not isinstance(before, str) else before
+            if (section, key) in _PATHS:
+                before, now = (str(absolute(v)) if v else None for v in (before, now))
             if before != now:
                 raise ConfigError("resume", f"{ckpt} was written for {section}.{key}={before} "
                                             f"({saved.get('model', {}).get('name')}), this run has {now} "
@@ -215,8 +222,9 @@ class CheckpointManager:
             os.replace(tmp, metrics)
         return aside
 
-    def due(self, step: int, last_step: int) -> bool:
-        return self.cfg.enabled and (step % self.cfg.save_period == 0 or step == last_step)
+    def due(self, step: int, last_step: int, stopping: bool = False) -> bool:
+        """Save now? Every save_period steps, at the last step and when stopping; never when disabled."""
+        return self.cfg.enabled and (stopping or step % self.cfg.save_period == 0 or step == last_step)
 
     def begin(self, step: int) -> Path:
         tmp = self.root / f"tmp_step_{step}"

@@ -215,7 +215,7 @@ class GrpoRun:
                         stale = False
                         row.update(self.validate(step))
                     row["timing/total_step"] = time.perf_counter() - t0
-                    if self.ckpts.due(step, g.max_num_steps) or self.stop.is_set():
+                    if self.ckpts.due(step, g.max_num_steps, stopping=self.stop.is_set()):
                         self.save(step, position, row, config_yaml)
                         last_saved = step
                 except StepFailed:

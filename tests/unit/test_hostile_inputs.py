@@ -58,9 +58,12 @@ def _ckpt(run: str, step: int, info: dict | None = None, saved_config: bool = Fa
         (tmp / "trainer").mkdir()
         (tmp / "trainer" / "x.bin").write_bytes(b"\0")
         manager.commit(tmp, step, {"consumed_prompts": 0, "metrics": metrics or {}}, _config_yaml(*SLURM))
-        if info is not None:
-            p = manager.root / f"step_{step}" / "training_info.json"
-            p.write_text(json.dumps(info))
+        if info is not None:  # a forged or damaged training_info.json, with a manifest to match
+            from launcher.driver.checkpoints import MANIFEST, _files
+
+            final = manager.root / f"step_{step}"
+            (final / "training_info.json").write_text(json.dumps(info))
+            (final / MANIFEST).write_text(json.dumps({"files": _files(final)}))
     return setup
 
 
@@ -138,6 +141,16 @@ CASES = [
          "topology.train.ranks_per_node: must be at most 1024, got 1000000000"),
     Case("nodes-1e9", ["topology.nodes=1000000000", *SLURM], 2,
          "topology.nodes: must be at most 4096, got 1000000000"),
+    # 9: small surprises; check_compatible covers what the adapter and optimizer tensors depend on
+    *[Case(f"resume-other-{k}", ["run.name=c", "+resume=step_5", f"{k}={v}", *SLURM, "submit=false"], 2,
+           f"resume: {{root}}/c/checkpoints/step_5 was written for {k}=", setup=_ckpt("c", 5))
+      for k, v in [("peft.alpha", "64"), ("peft.lora_dtype", "bfloat16"), ("model.dtype", "bfloat16"),
+                   ("optim.optimizer", "sgd"), ("model.builtin", "tiny_llama_g4"), ("peft.dim", "8")]],
+    Case("resume-step-infinity", ["run.name=i", "+resume=latest", *SLURM, "submit=false"], 2,
+         "resume: {root}/i/checkpoints/step_5/training_info.json: not valid training info",
+         setup=_ckpt("i", 5, info={"step": float("inf"), "consumed_prompts": 0})),
+    Case("sibling-step-infinity-does-not-block", ["run.name=j", "+resume=step_5", *SLURM, "submit=false"], 0, "",
+         setup=lambda sb: (_ckpt("j", 5)(sb), _ckpt("j", 7, info={"step": float("inf"), "consumed_prompts": 0})(sb))),
     Case("python-quote", ["slurm.python='/opt/py\"'", "submit=false", *SLURM], 2, "slurm.python: has an unbalanced"),
 ]
 
@@ -178,6 +191,9 @@ def test_hostile_input(case: Case, sandbox, capsys):
     rc = cli.main(argv_of(case, sandbox))
     err = capsys.readouterr().err
     assert rc == case.rc, err
+    assert "Traceback" not in err
+    if rc == 0:
+        return
     lines = err.splitlines()
     message = case.message.replace(ROOT, str(sandbox / "runs"))
     assert len(lines) == 1 and lines[0].startswith("error: " + message), err
