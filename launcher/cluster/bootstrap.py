@@ -126,6 +126,9 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
     """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.run) with
     `signals` {signal: handler} installed, stop Ray."""
     ctx.startup.append(("launcher: Python, imports, config, run directory", time.time()))
+    if driver is None and cfg.run.job == "grpo":
+        from launcher.driver.startup import warm_imports
+        warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
     ctx.rendezvous.mkdir(parents=True, exist_ok=True)
     os.chmod(ctx.rendezvous, 0o700)
     os.environ.update(auth_env(ctx))  # this process becomes the driver; Ray reads the auth mode at import

@@ -25,7 +25,7 @@ from launcher.driver.checkpoints import CheckpointManager, check_compatible, siz
 from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary
 from launcher.driver.rollout import build_batch, collect, validation
-from launcher.driver.startup import Startup, actor_parts, start_together, step_parts, summary_text
+from launcher.driver.startup import Startup, actor_parts, start_together, step_parts, summary_text, warmed_up
 from launcher.paths import checkpoint_dirs
 
 
@@ -70,13 +70,16 @@ class GrpoRun:
             device=cfg.topology.device, refit_mode=cfg.refit.mode, seed=cfg.run.seed)
         # logprobs of the distribution tokens are sampled from (after grpo.temperature), what the trainer computes
         gen_cfg = dataclasses.replace(gen_cfg, logprobs_mode="processed_logprobs")
-        requested = time.time()
+        requested, took = time.time(), []
         self.trainers, self.generators = start_together(  # trainer ranks and vLLM engines start at once
             lambda: TrainerGroup(train_cfg, [plan_mod.trainer_options(plan, r) for r in range(plan.train_world)]),
-            lambda: GeneratorGroup(gen_cfg, [plan_mod.generator_options(plan, e) for e in range(plan.engines)]))
+            lambda: warmed_up(GeneratorGroup(gen_cfg, [plan_mod.generator_options(plan, e) for e in range(plan.engines)]),
+                              cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt), seconds=took)
         self.startup.mark("actors up (trainer ranks + vLLM engines)")
         self.startup.parts("actors up (trainer ranks + vLLM engines)",
-                           actor_parts(requested, self.trainers.infos, "trainer rank")
+                           [("trainer ranks: process start, imports, Megatron build", took[0]),
+                            ("vLLM engines: process start, engine up, warm-up generate", took[1])]
+                           + actor_parts(requested, self.trainers.infos, "trainer rank")
                            + actor_parts(requested, self.generators.infos, "vLLM engine"), concurrent=True)
         transport = refit.connect(self.trainers, self.generators, cfg.refit.transport, cfg.topology.device)
         self.startup.mark("refit transport set up")

@@ -149,14 +149,25 @@ def summary_text(startup: Startup | None, rows: list[dict]) -> str:
     return text
 
 
-def start_together(*factories):
+def start_together(*factories, seconds: list | None = None):
     """Call the factories at the same time (each builds a group of actors and waits for it); their
-    results in order. If one fails, the groups that did come up are shut down and its error raised."""
+    results in order, and each one's wall time appended to `seconds`. If one fails, the groups that
+    did come up are shut down and its error raised."""
     from concurrent.futures import ThreadPoolExecutor
 
+    def timed(factory):
+        t = time.time()
+        try:
+            return factory()
+        finally:
+            took[factory] = time.time() - t
+
+    took: dict = {}
     with ThreadPoolExecutor(len(factories), thread_name_prefix="startup") as pool:
-        futures = [pool.submit(f) for f in factories]
+        futures = [pool.submit(timed, f) for f in factories]
         errors = [f.exception() for f in futures]  # waits for all
+    if seconds is not None:
+        seconds += [took[f] for f in factories]
     failed = next((e for e in errors if e is not None), None)
     if failed is None:
         return [f.result() for f in futures]
@@ -167,3 +178,33 @@ def start_together(*factories):
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 pass
     raise failed
+
+
+def warm_imports() -> None:
+    """Import what the GRPO driver needs (ray, torch, transformers, the worker groups: seconds of CPU)
+    in a background thread, called while the Ray head starts, when this process only waits. An
+    import that fails here fails again, with its message, where the driver imports it."""
+    import threading
+
+    def target():
+        try:
+            import ray  # noqa: F401  - first: the driver connects as soon as the head answers
+            import torch  # noqa: F401
+            from transformers import AutoTokenizer  # noqa: F401
+
+            from launcher.driver import grpo  # noqa: F401
+            from workers.generator import group as _generators  # noqa: F401
+            from workers.trainer import group as _trainers  # noqa: F401
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+
+    threading.Thread(target=target, name="warm-imports", daemon=True).start()
+
+
+def warmed_up(generators, requests: int, tokens: int = 2):
+    """One short generate of a step's batch size on fresh engines: vLLM's first generate pays
+    one-time costs (about 3 s for the tiny model on CPU) that would otherwise land in step 1.
+    Called while the trainers still build, it is off the critical path. The group, for chaining."""
+    generators.generate([[5, 6, 7, 8]] * max(1, requests), temperature=1.0, max_tokens=tokens,
+                        seeds=list(range(max(1, requests))), ignore_eos=True)
+    return generators

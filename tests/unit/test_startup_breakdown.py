@@ -28,7 +28,9 @@ def test_phases_sum_to_the_measured_total_with_concurrent_parts_not_added(tmp_pa
         def shutdown(self):
             pass
 
-    a, b = startup.start_together(lambda: Group(0.20, "build"), lambda: Group(0.25, "engine up"))
+    took = []
+    a, b = startup.start_together(lambda: Group(0.20, "build"), lambda: Group(0.25, "engine up"), seconds=took)
+    assert 0.19 < took[0] < 0.35 and 0.24 < took[1] < 0.40  # each group's own wall time, in order
     rec.mark("actors up")
     parts = startup.actor_parts(requested, a.infos, "trainer rank") + startup.actor_parts(requested, b.infos, "engine")
     rec.parts("actors up", parts, concurrent=True)
