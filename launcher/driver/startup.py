@@ -192,7 +192,6 @@ def warm_imports() -> None:
             import torch  # noqa: F401
             from transformers import AutoTokenizer  # noqa: F401
 
-            from launcher.driver import grpo  # noqa: F401
             from workers.generator import group as _generators  # noqa: F401
             from workers.trainer import group as _trainers  # noqa: F401
         except Exception:  # noqa: BLE001 - see the docstring
