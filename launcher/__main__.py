@@ -122,6 +122,7 @@ def _resolve(overrides: list[str], printing: bool = False) -> tuple[Resolved | N
     errors = validate(cfg, submitting=not (cfg.dry_run or printing))
     if errors:
         return None, errors
+    paths.absolute_config(cfg)  # every path absolute, once, before anything reads it
     plan = plan_mod.build(cfg.topology)
     run_dir = paths.run_dir(cfg)
     spec = sbatch.job_spec(cfg, plan) if cfg.topology.executor == "slurm" else None
@@ -169,12 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     stop_mod.clear_stop_request(run_dir)  # a stop asked of an earlier job of this run is not for this one
+    if not cfg.submit:  # any executor: write the run directory, run nothing
+        print(run_dir_mod.written(run_dir, spec))
+        return 0
     if spec is None:
         return _run_here(cfg, plan, run_dir)
-    if not cfg.submit:
-        print(f"wrote {run_dir} (config.yaml, plan.txt, ray_job.sbatch); submit it with:\n"
-              f"  sbatch {run_dir}/ray_job.sbatch")
-        return 0
     return _submit(cfg, plan, run_dir)
 
 
@@ -271,6 +271,8 @@ def _print_dry_run(cfg, raw, plan, run_dir: Path, spec) -> None:
     print(config_mod.to_yaml(run_dir_mod.resolved(raw, run_dir)).rstrip())
     if cfg.model.path and not Path(cfg.model.path).exists():
         print(f"\nnote: model.path {cfg.model.path} does not exist on this machine; submission requires it")
+    if (note := run_dir_mod.resume_note(cfg, run_dir)) is not None:
+        print(f"\nnote: {note}")
     if spec is None:
         print("\n== executor local: runs in this process on this machine (no sbatch script)")
     else:

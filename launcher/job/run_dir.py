@@ -130,6 +130,32 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
         script.chmod(paths.dir_mode(cfg))  # executable by you (and your group with run.shared_with_group)
 
 
+def written(run_dir: Path, spec: sbatch.JobSpec | None) -> str:
+    """What submit=false says: the run directory is written, nothing runs (on any executor)."""
+    if spec is None:
+        return (f"wrote {run_dir} (config.yaml, plan.txt); nothing was run (submit=false). Run it on this "
+                f"machine with the same command and submit=true")
+    return f"wrote {run_dir} (config.yaml, plan.txt, ray_job.sbatch); submit it with:\n  sbatch {run_dir}/ray_job.sbatch"
+
+
+def resume_note(cfg: Config, run_dir: Path) -> str | None:
+    """For the dry run: a +resume checkpoint this machine cannot see (existence only: reading it
+    would hash every file and import torch)."""
+    if cfg.resume is None:
+        return None
+    root = checkpoint_dirs(cfg, run_dir)
+    saved = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: p.name) if root.is_dir() else []
+    if cfg.resume == "latest":
+        path = saved[-1] if saved else None
+    else:
+        path = root / cfg.resume if paths.RESUME_WORDS.match(cfg.resume) else Path(cfg.resume)
+    if path is not None and path.is_dir():
+        return None
+    listing = ", ".join(p.name for p in saved[-3:]) or "none"
+    return (f"+resume={cfg.resume}: no checkpoint {path or 'in ' + str(root)} on this machine (checkpoints in "
+            f"{root}: {listing}); submission requires it")
+
+
 def record_submission(run_dir: Path, job_id: str) -> None:
     with open(run_dir / "submissions.jsonl", "a") as f:
         f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job_id": job_id,

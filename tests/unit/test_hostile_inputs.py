@@ -316,3 +316,24 @@ def test_resume_from_an_older_step_starts_a_branch(sandbox, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["abandoned", "step_10", "step_13"]
     cfg = typed(compose([*SLURM, f"run.root={sandbox / 'runs'}", "run.name=b", "+resume=step_10"]))
     assert resume_after_requeue(cfg, run) == str(run / "checkpoints" / "step_13")
+
+
+def test_submit_false_on_the_local_topology_runs_nothing(sandbox, capsys):
+    cli_run_here = cli._run_here
+    rc = cli.main(["submit=false", f"run.root={sandbox / 'runs'}", "run.name=l"])
+    out = capsys.readouterr().out
+    assert rc == 0 and cli._run_here is cli_run_here
+    assert out == (f"wrote {sandbox / 'runs' / 'l'} (config.yaml, plan.txt); nothing was run (submit=false). Run it "
+                   f"on this machine with the same command and submit=true\n")
+
+
+def test_dry_run_notes_a_resume_checkpoint_it_cannot_find(sandbox, capsys):
+    _ckpt("d", 2)(sandbox)
+    rc = cli.main(["dry_run=true", f"run.root={sandbox / 'runs'}", "run.name=d", "+resume=step_5x"])
+    out = capsys.readouterr().out
+    root = sandbox / "runs" / "d" / "checkpoints"
+    assert rc == 0
+    assert (f"note: +resume={sandbox / 'step_5x'}: no checkpoint {sandbox / 'step_5x'} on this machine (checkpoints in {root}: "
+            f"step_2); submission requires it") in out
+    assert cli.main(["dry_run=true", f"run.root={sandbox / 'runs'}", "run.name=d", "+resume=step_2"]) == 0
+    assert "note: +resume" not in capsys.readouterr().out
