@@ -28,8 +28,13 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-if __name__ != "__main__" and not torch.cuda.is_available():
+# GPU_CHECK_DEVICE=cpu: a developer's dry run of this module on CPU (float32, gloo, no distributed
+# optimizer, no CUDA RNG / NCCL parts), to catch API mistakes before GPU time is spent
+DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+ON_CUDA = DEVICE == "cuda"
+if __name__ != "__main__" and ON_CUDA and not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (tests/gpu runs on a GPU node; docs/gpu.md)", allow_module_level=True)
+DTYPE = torch.bfloat16 if ON_CUDA else torch.float32
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = os.environ.get("GPU_CHECK_RECIPE", "tiny_llama")
@@ -37,7 +42,7 @@ RECIPES = ("tiny_llama", "tiny_qwen2")
 PEFT = {"enabled": True, "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "dim": 8,
         "alpha": 16, "dropout": 0.0, "lora_A_init_method": "xavier", "lora_B_init_method": "zero"}
 OPTIM = {"optimizer": "adam", "lr": 1e-2, "min_lr": 1e-2, "clip_grad": 1.0, "lr_decay_style": "constant",
-         "use_distributed_optimizer": True}
+         "use_distributed_optimizer": ON_CUDA}
 LOSS = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "reference_policy_kl_penalty": 0.01, "token_level_loss": True}
 # bf16 logprobs of a 2-layer model: a few 1e-2 apart between two implementations is normal
 BF16_MAX, BF16_MEAN = 0.15, 0.02
@@ -67,8 +72,9 @@ def trainer(model_dir):
     except OSError:
         actor_mod.node_address = lambda: ("127.0.0.1", _free_port())
     cfg = TrainerConfig.from_sections(str(model_dir), parallel={"tensor_parallel": 1}, peft=PEFT, optim=OPTIM,
-                                      loss=LOSS, device="cuda", dtype="bfloat16", seed=7, max_num_steps=20)
-    assert cfg.use_distributed_optimizer
+                                      loss=LOSS, device=DEVICE, dtype="bfloat16" if ON_CUDA else "float32",
+                                      seed=7, max_num_steps=20)
+    assert cfg.use_distributed_optimizer == ON_CUDA
     t = MegatronTrainer(cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
     yield t
     t.shutdown()
@@ -88,13 +94,13 @@ def batch():
 def hf_logprobs(model_dir, input_ids, state=None) -> torch.Tensor:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPE).to(DEVICE).eval()
     if state is not None:
-        missing, unexpected = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False)
+        missing, unexpected = model.load_state_dict({k: v.to(DTYPE) for k, v in state.items()}, strict=False)
         assert not unexpected, unexpected
         assert all("rotary" in m or "lm_head" in m for m in missing), missing
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids.cuda()).logits.float(), dim=-1).cpu()
+        logp = torch.log_softmax(model(input_ids.to(DEVICE)).logits.float(), dim=-1).cpu()
     out = torch.zeros(input_ids.shape)
     out[:, 1:] = logp[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
     return out
@@ -124,10 +130,10 @@ def adapters(trainer) -> dict:
 # ----------------------------------------------------------------------------------------- tests
 def test_bf16_lora_model_on_cuda(trainer):
     info = trainer.info()
-    assert info["device"] == "cuda" and info["num_parameters"]["trainable"] > 0
+    assert info["device"] == DEVICE and info["num_parameters"]["trainable"] > 0
     params = [p for chunk in trainer.model for p in chunk.parameters()]
-    assert all(p.is_cuda for p in params)
-    assert {p.dtype for p in params if not p.requires_grad} == {torch.bfloat16}
+    assert all(p.is_cuda == ON_CUDA for p in params)
+    assert {p.dtype for p in params if not p.requires_grad} == {DTYPE}
     assert trainer.adapter_state(), "no LoRA factors"
 
 
@@ -155,25 +161,31 @@ def test_checkpoint_round_trip_with_distributed_optimizer_and_cuda_rng(trainer, 
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     ckpt = tmp_path / "step"
-    torch.cuda.manual_seed(123)
-    get_cuda_rng_tracker().get_states()  # the tracker exists (model-parallel seed)
-    saved_rng = torch.cuda.get_rng_state().clone()
-    saved_tracker = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+    if ON_CUDA:
+        torch.cuda.manual_seed(123)
+        saved_rng = torch.cuda.get_rng_state().clone()
+        saved_tracker = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+        assert saved_tracker, "megatron's CUDA RNG tracker holds no state"
+    saved_cpu_rng = torch.get_rng_state().clone()
     saved_adapters = adapters(trainer)
     trainer.save_state(str(ckpt))
     fb = full_batch(trainer, batch)
     first = trainer.train(fb)
-    torch.randn(1000, device="cuda")                 # moves the CUDA RNG on
-    with get_cuda_rng_tracker().fork():
-        torch.randn(1000, device="cuda")             # moves the tracker's model-parallel state on
-    assert not torch.equal(torch.cuda.get_rng_state(), saved_rng)
+    torch.randn(1000)                                # moves the CPU RNG on
+    if ON_CUDA:
+        torch.randn(1000, device="cuda")             # moves the CUDA RNG on
+        with get_cuda_rng_tracker().fork():
+            torch.randn(1000, device="cuda")         # moves the tracker's model-parallel state on
+        assert not torch.equal(torch.cuda.get_rng_state(), saved_rng)
     trainer.train(full_batch(trainer, batch))
     loaded = trainer.load_state(str(ckpt))
     assert loaded["rng_restored"] is True
-    assert torch.equal(torch.cuda.get_rng_state(), saved_rng), "CUDA RNG state not restored"
-    now_tracker = get_cuda_rng_tracker().get_states()
-    assert set(now_tracker) == set(saved_tracker)
-    assert all(torch.equal(now_tracker[k].cpu(), saved_tracker[k].cpu()) for k in saved_tracker), "RNG tracker"
+    assert torch.equal(torch.get_rng_state(), saved_cpu_rng), "CPU RNG state not restored"
+    if ON_CUDA:
+        assert torch.equal(torch.cuda.get_rng_state(), saved_rng), "CUDA RNG state not restored"
+        now_tracker = get_cuda_rng_tracker().get_states()
+        assert set(now_tracker) == set(saved_tracker)
+        assert all(torch.equal(now_tracker[k].cpu(), saved_tracker[k].cpu()) for k in saved_tracker), "RNG tracker"
     restored = adapters(trainer)
     assert all(torch.equal(restored[k], saved_adapters[k]) for k in saved_adapters), "adapters not restored"
     again = trainer.train(fb)                          # same state, same batch: same step
@@ -201,7 +213,8 @@ print(json.dumps({"received_layout": received, "tensors": len(layout.tensors)}))
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(not ON_CUDA or not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
 def test_nccl_refit_group_between_two_processes(trainer, tmp_path):
     from safetensors.torch import load_file
 
