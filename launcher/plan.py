@@ -131,7 +131,7 @@ def check(t: Topology) -> list[ConfigError]:
     if world % expert_par:
         err("train.expert_parallel", f"EP x ETP x PP = {expert_par} must divide the {world} trainer ranks; "
                                      f"allowed EP: {_divisors(world // (tr.expert_tensor_parallel * tr.pipeline_parallel) or 1)}")
-    errs += train_parallel_errors(tr, cpu=t.device == "cpu")
+    errs += train_parallel_errors(tr)
     workers = gen.nodes * gen.ranks_per_node
     if gen.engines * gen.tensor_parallel != workers:
         err("generation.tensor_parallel", f"engines x TP = {gen.engines} x {gen.tensor_parallel} must equal the "

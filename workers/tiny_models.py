@@ -69,6 +69,12 @@ def _hf_config(recipe: dict, vocab_size: int, tokenizer):
     if family in ("llama", "qwen2"):
         cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
         return cls(rms_norm_eps=1e-6, rope_theta=10000.0, **common, **r)
+    if family == "qwen3":
+        return transformers.Qwen3Config(rms_norm_eps=1e-6, rope_theta=10000.0, **common, **r)
+    if family == "qwen3_moe":  # every layer sparse (decoder_sparse_step 1), top-k probabilities renormalised
+        return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=True,
+                                           decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                                           router_aux_loss_coef=0.001, **common, **r)
     if family == "nemotron_h":
         pattern = r.pop("hybrid_override_pattern")
         return transformers.NemotronHConfig(

@@ -66,6 +66,11 @@ class Topology:
 LORA_MODULES: dict[str, tuple[str, ...]] = {
     "llama": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
     "qwen2": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
+    "qwen3": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
+    # MoE: the experts' fc1/fc2, grouped (TE) or one module per local expert (* = any expert number)
+    "qwen3_moe": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.experts.linear_fc1",
+                  "mlp.experts.linear_fc2", "mlp.experts.local_experts.*.linear_fc1",
+                  "mlp.experts.local_experts.*.linear_fc2"),
     "nemotron_h": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
                    "mixer.in_proj", "mixer.out_proj"),
 }
@@ -93,6 +98,13 @@ BUILTIN_MODELS: dict[str, dict] = {
     "tiny_nemotron_h": dict(family="nemotron_h", hidden_size=128, intermediate_size=256,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=48,
                             hybrid_override_pattern="M*-*-"),
+    # Qwen3: q/k RMSNorm per head
+    "tiny_qwen3": dict(family="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # Qwen3-MoE: 4 experts, top-2, on every layer (EP2 puts 2 on each rank); head_dim 32 for vLLM CPU
+    "tiny_qwen3_moe": dict(family="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=64),
 }
 
 
@@ -109,6 +121,7 @@ class Model:
     num_query_groups: int = 2
     head_dim: int = 32
     num_experts: int = 0
+    moe_router_topk: int = 0   # experts per token (0: dense)
 
 
 @dataclass
@@ -338,14 +351,12 @@ def from_dict(cls, d: dict | None, section: str):
 # return ConfigErrors; a worker raises ValueError(str(error)) of the first.
 
 
-def train_parallel_errors(train: TrainRole, cpu: bool) -> list[ConfigError]:
-    """Sequence and context parallelism of `topology.train` the trainer can run (`cpu`: no CUDA)."""
+def train_parallel_errors(train: TrainRole) -> list[ConfigError]:
+    """Sequence and context parallelism of `topology.train` the trainer can run (on cpu too: the
+    CPU shim runs sequence parallelism with megatron's torch norms)."""
     errs = []
     if train.sequence_parallel and train.tensor_parallel == 1:
         errs.append(ConfigError("topology.train.sequence_parallel", "needs train.tensor_parallel > 1"))
-    elif train.sequence_parallel and cpu:
-        errs.append(ConfigError("topology.train.sequence_parallel",
-                                "needs Transformer Engine norms, not available on cpu: set it false"))
     if train.context_parallel != 1:
         errs.append(ConfigError("topology.train.context_parallel",
                                 f"the trainer does not split sequences yet: must be 1, got {train.context_parallel}"))

@@ -9,15 +9,16 @@ filesystem this machine does not see).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from launcher import paths
 from launcher import plan as plan_mod
+from launcher.config import model_facts
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
-from launcher.config.schema import (BUILTIN_MODELS, FAMILIES, LORA_MODULES, REFIT_MODES, REFIT_TRANSPORTS as TRANSPORTS,
+from launcher.config.schema import (BUILTIN_MODELS, LORA_MODULES, REFIT_MODES, REFIT_TRANSPORTS as TRANSPORTS,
                                      Config, loss_errors)
+
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
@@ -34,6 +35,7 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs += _parallel_vs_model(cfg)
     errs += _peft(cfg)
     errs += _refit_and_vllm(cfg)
+    errs += _expert_lora(cfg)
     errs += _grpo(cfg)
     errs += _grpo_sampling(cfg)
     errs += _data_and_reward(cfg, submitting)
@@ -63,8 +65,9 @@ def _paths(cfg: Config) -> list[ConfigError]:
 def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
     m = cfg.model
     errs = []
-    if m.family not in FAMILIES:
-        errs.append(ConfigError("model.family", f"must be one of {', '.join(FAMILIES)}, got {m.family!r}"))
+    if m.family not in model_facts.supported_families():
+        errs.append(ConfigError("model.family", f"must be one of {', '.join(model_facts.supported_families())}, "
+                                                f"got {m.family!r}"))
     if m.dtype not in DTYPES:
         errs.append(ConfigError("model.dtype", f"must be one of {', '.join(DTYPES)}, got {m.dtype!r}"))
     if m.path is None:
@@ -80,7 +83,7 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
 
 
 def _model_dir(cfg: Config) -> list[ConfigError]:
-    """A local HF checkpoint: it exists and its config.json agrees with the architecture facts."""
+    """A local HF checkpoint: a directory whose config.json is readable and of a supported family."""
     m = cfg.model
     path = paths.model_dir(cfg)
     cfg_file = path / "config.json"
@@ -88,17 +91,12 @@ def _model_dir(cfg: Config) -> list[ConfigError]:
         return [ConfigError("model.path", f"{m.path} is not a directory (a local HF checkpoint is needed)")]
     if not cfg_file.is_file():
         return [ConfigError("model.path", f"{m.path} has no config.json (a local HF checkpoint is needed)")]
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        return [ConfigError("model.path", f"{cfg_file} is not valid JSON: {e}")]
-    facts = {"num_layers": hf.get("num_hidden_layers"), "hidden_size": hf.get("hidden_size"),
-             "num_attention_heads": hf.get("num_attention_heads"),
-             "num_query_groups": hf.get("num_key_value_heads", hf.get("num_attention_heads")),
-             "head_dim": hf.get("head_dim") or (hf["hidden_size"] // hf["num_attention_heads"]
-                                                if hf.get("hidden_size") and hf.get("num_attention_heads") else None)}
-    return [ConfigError(f"model.{k}", f"is {getattr(m, k)} but {cfg_file} says {v}")
-            for k, v in facts.items() if v is not None and v != getattr(m, k)]
+    try:  # the numbers themselves came from it (model_facts.apply); here: readable and supported
+        facts, architectures = model_facts.read(path)
+        model_facts.check_supported(facts, architectures, str(cfg_file))
+    except ConfigError as e:
+        return [e]
+    return []
 
 
 def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
@@ -149,6 +147,8 @@ def _peft(cfg: Config) -> list[ConfigError]:
         errs.append(ConfigError("peft.lora_dtype", f"must be null or one of {', '.join(DTYPES)}, got {p.lora_dtype!r}"))
     if not p.target_modules:
         errs.append(ConfigError("peft.target_modules", "is empty: name at least one module, e.g. [linear_qkv]"))
+    if cfg.model.family not in LORA_MODULES:
+        return errs  # model.family is reported; its modules are unknown
     names = _layer_modules(cfg)
     short = sorted({n.rsplit(".", 1)[1] for n in names})
     for target in p.target_modules:
@@ -166,6 +166,30 @@ def _matches(target: str, name: str) -> bool:
     if "." not in target and "*" not in target:
         return name.rsplit(".", 1)[1] == target
     return re.fullmatch(re.escape(target).replace(r"\*", ".*"), name) is not None
+
+
+# Megatron names of expert linears (grouped GEMM, and SequentialMLP's local experts; mlp or mixer).
+_EXPERT_LINEARS = tuple(f"decoder.layers.0.{block}.experts.{local}linear_fc{i}" for block in ("mlp", "mixer")
+                        for local in ("", "local_experts.0.") for i in (1, 2))
+
+
+def _expert_lora(cfg: Config) -> list[ConfigError]:
+    """LoRA on experts only where it is exact (docs/moe.md): never silently train one model and
+    generate with another."""
+    p, ep = cfg.peft, cfg.topology.train.expert_parallel
+    if not (p.enabled and cfg.model.num_experts):
+        return []
+    experts = [t for t in p.target_modules if any(_matches(t, n) for n in _EXPERT_LINEARS)]
+    if not experts or (cfg.refit.mode == "merged" and ep == 1):
+        return []
+    why = (f"Megatron-Bridge 0.6.2's merged export merges one rank's expert adapter into every expert at "
+           f"expert_parallel > 1 (docs/moe.md)" if cfg.refit.mode == "merged" else
+           f"refit.mode={cfg.refit.mode} does not carry expert adapters yet")
+    return [ConfigError("peft.target_modules", f"{', '.join(map(repr, experts))} wrap the {cfg.model.num_experts} "
+                                               f"experts of {cfg.model.name}: LoRA on experts is exact only with "
+                                               f"refit.mode=merged at topology.train.expert_parallel=1 ({why}); "
+                                               f"LoRA on attention (linear_qkv, linear_proj) works with every "
+                                               f"refit mode and expert_parallel")]
 
 
 def _refit_and_vllm(cfg: Config) -> list[ConfigError]:

@@ -96,6 +96,16 @@ def test_gated_fc1_split_including_tp_interleaved_gathers():
     ("llama", "decoder.layers.0.mlp.linear_fc2", "single", ("model.layers.0.mlp.down_proj",)),
     ("qwen2", "decoder.layers.1.self_attention.linear_qkv", "qkv",
      ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj")),
+    # Qwen3: q/k norm (not a LoRA target: the projections map as in Llama)
+    ("qwen3", "decoder.layers.1.self_attention.linear_qkv", "qkv",
+     ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj")),
+    ("qwen3", "decoder.layers.1.mlp.linear_fc1", "gated", ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj")),
+    # Qwen3-MoE: attention as Qwen3; each local expert's fc1/fc2 (SequentialMLP, the CPU spec)
+    ("qwen3_moe", "decoder.layers.0.self_attention.linear_proj", "single", ("model.layers.0.self_attn.o_proj",)),
+    ("qwen3_moe", "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1", "gated",
+     ("model.layers.1.mlp.experts.3.gate_proj", "model.layers.1.mlp.experts.3.up_proj")),
+    ("qwen3_moe", "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2", "single",
+     ("model.layers.1.mlp.experts.2.down_proj",)),
     # Nemotron-H: transformers v5 / vLLM names (model.layers.N.mixer), not the remote-code `backbone.`
     ("nemotron_h", "decoder.layers.1.self_attention.linear_qkv", "qkv",
      ("model.layers.1.mixer.q_proj", "model.layers.1.mixer.k_proj", "model.layers.1.mixer.v_proj")),
@@ -120,6 +130,26 @@ def test_nemotron_h_module_names_exist_in_transformers_model(tiny_model):
                    "decoder.layers.1.self_attention.linear_proj", "decoder.layers.2.mlp.linear_fc2"):
         for hf in lora_layout.module_map("nemotron_h", module).hf_modules:
             assert hf in names, hf
+
+
+@pytest.mark.parametrize("recipe", ["tiny_qwen3", "tiny_qwen3_moe"])
+def test_qwen3_names_are_the_checkpoints_names(tiny_model, recipe):
+    """Every HF module the layout names for Qwen3 / Qwen3-MoE is a weight of the saved checkpoint."""
+    from safetensors import safe_open
+
+    path = tiny_model(recipe)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        saved = {k[: -len(".weight")] for k in f.keys()}
+    layout = ModelLayout.from_hf_config(path)
+    assert layout.family == RECIPES[recipe]["family"] and layout.head_dim == 32
+    modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    modules += ([f"mlp.experts.local_experts.{e}.linear_fc{i}" for e in range(4) for i in (1, 2)]
+                if recipe == "tiny_qwen3_moe" else ["mlp.linear_fc1", "mlp.linear_fc2"])
+    for layer in range(2):
+        for module in modules:
+            for hf in lora_layout.module_map(layout.family, f"decoder.layers.{layer}.{module}").hf_modules:
+                assert hf in saved, hf
+    assert {"model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"} <= saved  # the q/k norm
 
 
 def test_layout_from_hf_config_and_model_section(tiny_model):

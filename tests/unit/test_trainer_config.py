@@ -47,7 +47,7 @@ def test_from_run_config():
     ({"peft": {"enabled": True, "target_modules": []}}, "target_modules"),
     ({"peft": {"lora_rank": 8}}, r"peft: unknown keys \['lora_rank'\]"),
     ({"optim": {"optimizer": "muon"}}, "adam or sgd"),
-    ({"parallel": {"tensor_parallel": 2, "sequence_parallel": True}}, "sequence_parallel"),
+    ({"parallel": {"tensor_parallel": 1, "sequence_parallel": True}}, "sequence_parallel: needs train.tensor_parallel > 1"),
     ({"parallel": {"context_parallel": 2}}, "context_parallel"),
     ({"loss": {"ratio_clip_c": 0.5}}, "ratio_clip_c"),
 ])

@@ -11,7 +11,7 @@ exporter, which reads a checkpoint and has no Megatron model: everything here ne
 `ModelLayout` (family + attention numbers; heads * head_dim need not equal hidden_size).
 
 Which HF modules a Megatron linear maps to comes from Megatron-Bridge's own mapping registry
-(`<Family>Bridge().mapping_registry()`), and the QKV split/fuse from its `split_qkv_weights` /
+(the family's bridge, dispatched as AutoBridge dispatches, `.mapping_registry()`), and the QKV split/fuse from its `split_qkv_weights` /
 `merge_qkv_weights`, so the layouts are the ones the Bridge uses for base weights, not re-derived.
 One correction: the Bridge names Nemotron-H modules `backbone.layers.N.mixer.*` (HF remote code);
 transformers v5 and vLLM name them `model.layers.N.mixer.*`, and vLLM silently ignores adapter
@@ -27,7 +27,6 @@ Megatron imports are lazy (first use) and go through `workers.cpu_shim` on machi
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from dataclasses import dataclass
@@ -38,16 +37,12 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from launcher.config.schema import FAMILIES
 from workers import cpu_shim
 from workers.lora.checkpoint import LORA_A_SUFFIX, LORA_B_SUFFIX
 
-# family (one of launcher.config.schema.FAMILIES) -> (Megatron-Bridge module, Bridge class): the
-# families this module can lay out
-BRIDGES: dict[str, tuple[str, str]] = {
-    "llama": ("megatron.bridge.models.llama.llama_bridge", "LlamaBridge"),
-    "qwen2": ("megatron.bridge.models.qwen.qwen2_bridge", "Qwen2Bridge"),
-    "nemotron_h": ("megatron.bridge.models.nemotronh.nemotron_h_bridge", "NemotronHBridge"),
-}
+# The families this module lays out are launcher.config.schema.FAMILIES; each one's Megatron-Bridge
+# class is found the way AutoBridge finds it (see _registry), not listed here.
 
 # family -> (prefix in the Bridge's registry and HF remote-code checkpoints, prefix transformers v5 / vLLM use)
 HF_PREFIXES: dict[str, tuple[str, str]] = {"nemotron_h": ("backbone.", "model.")}
@@ -79,8 +74,8 @@ class ModelLayout:
     hidden_size: int
 
     def __post_init__(self):
-        if self.family not in BRIDGES:
-            raise ValueError(f"unknown model family {self.family!r} (known: {sorted(BRIDGES)})")
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r} (known: {sorted(FAMILIES)})")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"{self.num_attention_heads} heads do not split into "
                              f"{self.num_query_groups} query groups")
@@ -105,7 +100,7 @@ class ModelLayout:
         get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
         model_type = get("model_type")
         family = model_type  # HF's model_type names the family (llama, qwen2, nemotron_h)
-        if family not in BRIDGES:
+        if family not in FAMILIES:
             raise ValueError(f"no LoRA layout for HF model_type {model_type!r}")
         heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
         return cls(family=family, num_attention_heads=heads,
@@ -152,9 +147,18 @@ def _ensure_megatron_importable() -> None:
 
 @lru_cache(maxsize=None)
 def _registry(family: str):
-    module, cls = BRIDGES[family]
+    """Megatron-Bridge's mapping registry of `family` (an HF model_type), dispatched as AutoBridge does:
+    transformers' causal-LM class of the model_type, looked up in the bridge's dispatch table."""
     _ensure_megatron_importable()
-    return getattr(importlib.import_module(module), cls)().mapping_registry()
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import megatron.bridge  # noqa: F401  (imports every bridge: that registers them)
+    from megatron.bridge.models.conversion import model_bridge
+
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]
+    source = getattr(transformers, architecture, architecture)  # registered by class or by class name
+    return model_bridge.get_model_bridge(source).mapping_registry()
 
 
 def _qkv_helpers():

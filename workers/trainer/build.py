@@ -93,7 +93,8 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     provider.context_parallel_size = p.context_parallel
     provider.expert_model_parallel_size = p.expert_parallel
     provider.expert_tensor_parallel_size = p.expert_tensor_parallel
-    provider.sequence_parallel = p.sequence_parallel and p.tensor_parallel > 1
+    # MoE at TP>1: megatron's MoELayer refuses to train without sequence parallelism, so it is on
+    provider.sequence_parallel = p.tensor_parallel > 1 and (p.sequence_parallel or bool(getattr(provider, "num_moe_experts", None)))
     provider.params_dtype = dtype
     if provider.vocab_size % p.tensor_parallel:
         provider.should_pad_vocab = True  # megatron splits the vocab evenly over TP ranks
@@ -105,10 +106,10 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
 
         if hasattr(provider, "transformer_layer_spec"):
             provider.transformer_layer_spec = local_layer_spec
-    if is_cpu:  # fused kernels are CUDA-only
+    if is_cpu:  # fused kernels are CUDA-only (MoE: SequentialMLP experts instead of the grouped GEMM)
         for flag in ("apply_rope_fusion", "persist_layer_norm", "bias_activation_fusion",
                      "masked_softmax_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion",
-                     "gradient_accumulation_fusion"):
+                     "gradient_accumulation_fusion", "moe_permute_fusion", "moe_grouped_gemm"):
             if hasattr(provider, flag):
                 setattr(provider, flag, False)
     provider.finalize()

@@ -60,7 +60,7 @@ class TrainerConfig:
             raise ValueError("peft.enabled needs peft.dim > 0")
         if self.optim.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optim.optimizer must be adam or sgd, got {self.optim.optimizer!r}")
-        errors = train_parallel_errors(self.parallel, cpu=cpu_shim.is_cpu(self.device))
+        errors = train_parallel_errors(self.parallel)
         if errors:
             raise ValueError(str(errors[0]))
 

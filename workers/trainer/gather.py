@@ -16,9 +16,12 @@ import torch
 def full_named(params: dict, value_of: Callable, ps, model_config) -> dict:
     """Gather value_of(name, param) over TP (then PP) into full tensors under global layer names."""
     tp_size, pp_size = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ep_size = ps.get_expert_model_parallel_world_size()
     state = {}
     offset = layer_offset(pp_size, model_config)
     for name, param in params.items():
+        if ep_size > 1 and ".experts." in name:  # local expert numbers: not the global ones (docs/moe.md)
+            raise NotImplementedError(f"expert parameter {name} is not gathered over EP ({ep_size} ranks)")
         tensor = value_of(name, param)
         if tensor.dim() == 0 or not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
             full = tensor.float().cpu().clone()
