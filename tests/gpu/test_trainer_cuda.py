@@ -63,7 +63,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(model_dir):
-    import workers.trainer.actor as actor_mod
+    try:
+        import workers.trainer.actor as actor_mod
+    except ModuleNotFoundError as e:  # e.g. ray: workers/trainer/actor.py imports it at module level
+        pytest.fail(f"cannot import the trainer: {e} (install it into this environment)", pytrace=False)
     from workers.trainer.actor import MegatronTrainer
     from workers.trainer.config import TrainerConfig
 
