@@ -41,8 +41,13 @@ class Point:
 
 
 def sweep_override(overrides: list[str]) -> str | None:
-    """The first override that is a sweep (for the message when -m is missing)."""
-    for o in _parse(overrides):
+    """The first override that is a sweep (for the message when -m is missing); an override that
+    does not parse is left to config.compose, which names it."""
+    try:
+        parsed = _parse(overrides)
+    except ConfigError:
+        return None
+    for o in parsed:
         if o.is_sweep_override():
             return o.input_line
     return None
