@@ -94,3 +94,25 @@ def test_a_group_that_fails_to_start_shuts_the_others_down_and_its_error_is_rais
     with pytest.raises(TimeoutError, match="not up"):
         startup.start_together(Up, fails)
     assert stopped.is_set()
+
+
+def test_a_synchronous_save_gets_a_plain_queue_not_a_spawned_manager():
+    """workers.trainer.state gives megatron's FileSystemWriterAsync a queue.Queue before the first
+    save, so megatron's get_write_results_queue() returns it instead of starting a Manager."""
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from workers.trainer import state
+
+    saved = filesystem_async._results_queue
+    try:
+        filesystem_async._results_queue = None
+        state.plain_results_queue()
+        q = filesystem_async.get_write_results_queue()
+        assert isinstance(q, queue.Queue) and not multiprocessing.active_children()
+        state.plain_results_queue()  # once: megatron's cached queue is kept
+        assert filesystem_async.get_write_results_queue() is q
+    finally:
+        filesystem_async._results_queue = saved

@@ -103,11 +103,18 @@ class VllmGenerator:
         # object-store refs of the ray transport survive), never through vLLM's msgpack IPC.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
         self.config = config
+        import psutil
+
+        # (phase, time.time() at its end) for the driver's start-up breakdown
+        self.startup = [("Ray worker process start", psutil.Process().create_time()),
+                        ("imports (generator module)", time.time())]
         t0 = time.perf_counter()
         from vllm import LLM
 
+        self.startup.append(("import vllm", time.time()))
         self.llm = LLM(**config.engine_kwargs())
         self.start_seconds = time.perf_counter() - t0
+        self.startup.append(("engine up (LLM())", time.time()))
         self._lora_request = None
         self._adapter_id = 0
         self._adapter_root = config.adapter_dir or os.path.join(tempfile.gettempdir(), "vllm_refit_adapters",
@@ -118,6 +125,7 @@ class VllmGenerator:
         import socket
 
         return {"pid": os.getpid(), "hostname": socket.gethostname(), "start_seconds": self.start_seconds,
+                "startup": self.startup,
                 "model": self.config.model,
                 "device": self.config.device, "enable_lora": self.config.enable_lora,
                 "adapter_id": self._adapter_id}

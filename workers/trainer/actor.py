@@ -159,10 +159,14 @@ class MegatronTrainer:
         return out
 
     def _token_logprobs(self, logits, input_ids):
-        """log p(input_ids[t] | :t) from vocab-parallel logits [B, T, V/TP]; position 0 gets 0."""
+        """log p(input_ids[t] | :t) from vocab-parallel logits [B, T, V/TP]; position 0 gets 0.
+
+        p is the distribution generation samples from: softmax(logits / grpo.temperature)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         logits = logits.float()
+        if self.cfg.temperature != 1.0:
+            logits = logits / self.cfg.temperature
         local_vocab = logits.shape[-1]
         first = self.tp_rank * local_vocab
         if first + local_vocab > self.vocab_size:  # megatron pads the vocab to a multiple of TP

@@ -27,6 +27,7 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     init_timeout_s: float = 600.0
     megatron_log_level: str = "WARNING"  # megatron's INFO logs list every bucket and config field
+    temperature: float = 1.0  # grpo.temperature: logprobs are log_softmax(logits / temperature), as sampled
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -51,6 +52,7 @@ class TrainerConfig:
             model_path, parallel=cfg["topology"]["train"], peft=cfg["peft"], optim=cfg["optim"],
             loss=cfg["grpo"]["loss"], **{"device": cfg["topology"]["device"], "dtype": cfg["model"]["dtype"],
                                          "seed": cfg["run"]["seed"], "max_num_steps": cfg["grpo"]["max_num_steps"],
+                                         "temperature": cfg["grpo"]["temperature"],
                                          **top})
 
     def check(self) -> None:

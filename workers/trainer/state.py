@@ -24,6 +24,21 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singl
                       "chained_optim_avoid_prefix": True}
 
 
+def plain_results_queue() -> None:
+    """No multiprocessing Manager for a synchronous save. megatron-core's FileSystemWriterAsync
+    takes its write-results queue from `get_write_results_queue()`, which on a process's first save
+    starts `mp.get_context("spawn").Manager()` (a spawned server process: seconds in a Ray worker,
+    which it re-imports), also for `dist_checkpointing.save`, whose writes run in this process's
+    threads (`async_save(...).execute_sync()`): a thread-safe queue.Queue serves those. Set once,
+    where megatron caches its queue; an async save (another process) would need the Manager."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _trainable_sharded_state_dict(module) -> dict:
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     sharded = module.sharded_state_dict()
@@ -50,6 +65,7 @@ def save_state(directory: str, *, rank: int, module, optimizer, scheduler, train
              }
     if has_optimizer_state:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
+    plain_results_queue()
     with cpu_shim.cuda_factories_on_cpu(device):
         dist_checkpointing.save(state, directory)
     save_rng(_rng_path(directory, rank), cpu_shim.is_cpu(device))
