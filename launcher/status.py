@@ -163,7 +163,8 @@ def _last_failure(failures: list[dict], state: str, logs: list[Path]) -> str | N
 
 # ------------------------------------------------------------------------------- which runs
 def runs_of(args: list[str]) -> list[Path]:
-    """RUN_DIR, SWEEP_DIR (its sweep.jsonl), a folder of runs, or key=value overrides."""
+    """RUN_DIR, SWEEP_DIR (its sweep.jsonl), a folder of runs, or key=value overrides (the run
+    directory the launcher would use; only run.root=R: every run under R)."""
     from launcher import paths
     from launcher.config import compose as config_mod
     from launcher.config.compose import ConfigError
@@ -173,7 +174,7 @@ def runs_of(args: list[str]) -> list[Path]:
     overrides = [a for a in args if "=" in a and not Path(a).exists()]
     folders = [Path(a) for a in args if a not in overrides]
     if overrides or not folders:
-        root_only = not overrides
+        root_only = all(o.startswith("run.root=") for o in overrides)  # every run under that root
         cfg = typed(config_mod.compose(overrides))
         if not root_only:
             return [paths.run_dir(cfg)]
@@ -280,5 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def cli() -> int:
+    try:
+        return main()
+    except BrokenPipeError:  # `python -m launcher.status | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

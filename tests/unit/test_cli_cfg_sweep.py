@@ -274,6 +274,7 @@ def test_status_of_a_local_run_from_its_run_directory(tmp_path, capsys):
         "FAILED", 1, f"T job local-{os.getpid()}: node 1 left")
     assert status_mod.main([str(run), "--watch", "0.1"]) == 0  # ends by itself: the run has ended
     assert "FAILED" in capsys.readouterr().out
+    assert status_mod.runs_of([f"run.root={tmp_path}"]) == [run]  # only a root: every run under it
     assert status_mod.main([str(tmp_path)]) == 0  # a folder of runs
     text = capsys.readouterr().out
     assert "local-tiny_llama" in text and "3/6" in text and "step_2" in text
