@@ -25,15 +25,16 @@ PATH_KEYS = ("run.root", "checkpointing.dir", "model.path")
 RESUME_WORDS = re.compile(r"^(latest|step_\d+)$")
 
 
-def umask(cfg: Config) -> int:
-    """The umask of everything the launcher and the job write: private by default (0700 folders,
-    0600 files), group-readable (0750/0640) with run.shared_with_group=true. Ray's token file
-    keeps its own 0600."""
-    return 0o027 if cfg.run.shared_with_group else 0o077
-
-
 def dir_mode(cfg: Config) -> int:
-    return 0o777 & ~umask(cfg)
+    """The run directory's mode: private by default (0700), group-readable (0750) with
+    run.shared_with_group=true. Everything in it (the job's logs, checkpoints, submitit's files)
+    is reached only through it; the files the launcher writes get file_mode too. (Not a umask:
+    a umask of 077 in the launcher's process breaks the local Ray cluster's token handshake.)"""
+    return 0o750 if cfg.run.shared_with_group else 0o700
+
+
+def file_mode(cfg: Config) -> int:
+    return 0o640 if cfg.run.shared_with_group else 0o600
 
 
 def run_name_error(name: object) -> ConfigError | None:

@@ -107,12 +107,12 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "
                                       f"continue it with +resume=latest, or start fresh with run.name=<new name>")
-    os.umask(paths.umask(cfg))  # this process writes the run dir and submitit's files; the job sets it too
     try:
         for d in (run_dir, run_dir / "logs", ckpts):
             d.mkdir(parents=True, exist_ok=True)
-        for d in (run_dir, ckpts):
-            d.chmod(paths.dir_mode(cfg))  # also a run dir written before with wider modes
+        for d in (run_dir, run_dir / "logs", ckpts):
+            d.chmod(paths.dir_mode(cfg))  # also a run dir written before with wider modes: what is
+            # inside (the job's logs, checkpoints, submitit's files) is reachable only through it
     except OSError as e:
         raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
     if cfg.resume is not None:  # before the job can start or requeue: it must see only this branch
@@ -124,6 +124,8 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     config_mod.save(resolved(raw, run_dir), run_dir / "config.yaml")
     (run_dir / "plan.txt").write_text(plan.describe() + "\n")
+    for f in ("config.yaml", "plan.txt"):
+        (run_dir / f).chmod(paths.file_mode(cfg))
     if spec is not None:
         script = run_dir / "ray_job.sbatch"
         script.write_text(sbatch.render(spec, plan, run_dir))

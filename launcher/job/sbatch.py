@@ -14,7 +14,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher import paths
 from launcher import plan as plan_mod
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
@@ -55,7 +54,6 @@ class JobSpec:
     setup: list[str] = field(default_factory=list)           # shell lines, run as written
     srun_args: list[str] = field(default_factory=list)       # argv words for srun
     python: str = sys.executable                             # one executable path
-    umask: str = "077"                                       # of every file the job writes (paths.umask)
 
     @property
     def python_q(self) -> str:
@@ -116,13 +114,13 @@ def job_spec(cfg: Config, plan: plan_mod.Plan) -> JobSpec:
     return JobSpec(job_name=_one_line("run.name", cfg.run.name), nodes=len(plan.nodes),
                    gpus_per_node=cfg.topology.gpus_per_node, cpus_per_task=cfg.topology.cpus_per_node,
                    time_min=s.time_min, signal_delay_s=s.signal_delay_s, flags=flags, setup=setup,
-                   srun_args=srun_args, python=python, umask=f"{paths.umask(cfg):03o}")
+                   srun_args=srun_args, python=python)
 
 
 def submitit_parameters(spec: JobSpec) -> dict:
     """Parameters for submitit.SlurmExecutor.update_parameters."""
     params: dict = dict(job_name=spec.job_name, nodes=spec.nodes, ntasks_per_node=1, time=spec.time_min,
-                        signal_delay_s=spec.signal_delay_s, setup=[f"umask {spec.umask}", *spec.setup],
+                        signal_delay_s=spec.signal_delay_s, setup=list(spec.setup),
                         srun_args=["--kill-on-bad-exit=1", *spec.srun_args])
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
@@ -168,4 +166,4 @@ def render(spec: JobSpec, plan: plan_mod.Plan, run_dir: Path, header: str = "") 
         gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task, time_min=spec.time_min,
         slurm_flags=flags, signal_delay_s=spec.signal_delay_s,
         log_q=shlex.quote(str(run_dir / "logs" / "sbatch-%j.out")), setup=spec.setup,
-        srun_args=[shlex.quote(a) for a in spec.srun_args], python=spec.python_q, umask=spec.umask)
+        srun_args=[shlex.quote(a) for a in spec.srun_args], python=spec.python_q)
