@@ -307,14 +307,13 @@ def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, 
             problems.append(f"{name}: checkpoint directory {checkpoint_dirs(cfg, ctx.run_dir)}: {r['checkpoint_dir']}")
         if r["free_gib"] is not None and r["free_gib"] < MIN_FREE_GIB:
             problems.append(f"{name}: only {r['free_gib']} GiB free in the run directory (< {MIN_FREE_GIB} GiB)")
+        packages = set(r.pop("packages"))
         if ref is None:
-            ref = r
-        elif r["packages_hash"] != ref["packages_hash"]:
-            a, b = set(ref["packages"]), set(r["packages"])
-            diff = sorted(b - a)[:4] + [f"missing {p}" for p in sorted(a - b)[:4]]
-            problems.append(f"{name}: installed packages differ from node {ref['index']} ({ref['host']}): "
+            ref = (r, packages)
+        elif r["packages_hash"] != ref[0]["packages_hash"]:
+            diff = sorted(packages - ref[1])[:4] + [f"missing {p}" for p in sorted(ref[1] - packages)[:4]]
+            problems.append(f"{name}: installed packages differ from node {ref[0]['index']} ({ref[0]['host']}): "
                             + ", ".join(diff))
-        r.pop("packages")
         report["nodes"].append(r)
     if len(ctx.hostnames) > 1 or nets:
         failed = [f"{h}: {n.get('error')}" for h, n in nets.items() if not n.get("ok")]

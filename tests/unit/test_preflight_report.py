@@ -1,0 +1,108 @@
+"""run.job=preflight, node 0's side: from the probes' reports to one line per problem and the table.
+The probes themselves run for real in tests/slurm/test_preflight_on_slurm.py; here their reports
+are the records a real probe prints (one local probe is run to get one), varied per node."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher import plan as plan_mod
+from launcher.cluster.context import JobContext
+from launcher.config import compose
+from launcher.config.schema import typed
+from launcher.driver import preflight
+
+HOSTS = ["gpu-a", "gpu-b", "gpu-c"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    cfg = typed(compose.compose(["topology=slurm_3n", "run.job=preflight", f"run.root={root}", "run.name=pf"]))
+    plan = plan_mod.build(cfg.topology)
+    run_dir = root / "pf"
+    folder = run_dir / "preflight" / "7.0"
+    folder.mkdir(parents=True)
+    (folder / "node0.txt").write_text("abc")
+    args = {"device": "cpu", "run_dir": str(run_dir), "token_file": str(folder / "node0.txt"), "nonce": "abc",
+            "model_dir": str(root / "models" / "tiny_llama"), "model_must_exist": False,
+            "checkpoint_dir": str(run_dir / "checkpoints"), "train_hosts": [], "world": 1, "timeout_s": 30,
+            "master": "127.0.0.1:1"}
+    probe = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.driver import "
+                                       "preflight; print(json.dumps(preflight.probe(json.loads(sys.argv[1]))))",
+                                       json.dumps(args)], capture_output=True, text=True, check=True,
+                                      env={"CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin:/bin"}).stdout)
+    ctx = JobContext(run_dir=run_dir, job_id="7", attempt=0, node_index=0, hostnames=HOSTS)
+    return cfg, plan, ctx, probe, folder
+
+
+def nodes_like(probe: dict, folder: Path) -> dict:
+    out = {}
+    for h in HOSTS:
+        r = copy.deepcopy(probe)
+        r.update(host=h, own_file=str(folder / f"node-{h}.txt"))
+        (folder / f"node-{h}.txt").write_text(f"abc {h}")
+        out[h] = r
+    return out
+
+
+NETS = {h: {"ok": True, "backend": "gloo", "mib": 16, "seconds": 0.5, "busbw_gbs": 0.09} for h in HOSTS}
+
+
+def judge(setup, nodes, nets=NETS):
+    cfg, plan, ctx, _, folder = setup
+    report = {"job": "7", "device": "cpu", "hosts": HOSTS, "nodes": [], "net": nets}
+    report["problems"] = preflight._judge(cfg, plan, ctx, nodes, nets, report, folder, "abc")
+    return report
+
+
+def test_a_real_probe_sees_the_run_directory_and_four_gpus(setup):
+    probe = setup[3]
+    assert probe["gpus"] == 4 and probe["run_dir_read"] == "ok" and probe["run_dir_write"] == "ok"
+    assert probe["torch"].startswith("2.") and len(probe["packages_hash"]) == 12
+    assert any(p.startswith("torch==") for p in probe["packages"])
+
+
+def test_healthy_nodes_give_no_problem_and_a_table(setup):
+    report = judge(setup, nodes_like(setup[3], setup[4]))
+    assert report["problems"] == []
+    table = preflight.format_table({**report, "seconds": 1.0})
+    assert [ln.split()[1] for ln in table.splitlines()[2:5]] == HOSTS
+    assert "all-reduce: gloo, 16 MiB, 3/3 node(s), 0.5s per call, 0.09 GB/s bus bandwidth" in table
+    assert table.endswith("0 problem(s)")
+
+
+def test_each_problem_is_one_line_naming_its_node(setup):
+    nodes = nodes_like(setup[3], setup[4])
+    nodes["gpu-b"]["gpus"] = 2
+    nodes["gpu-c"]["packages"] = [p if not p.startswith("torch==") else "torch==9.9" for p in nodes["gpu-c"]["packages"]]
+    nodes["gpu-c"]["packages_hash"] = "other"
+    nodes["gpu-c"]["run_dir_read"] = "FileNotFoundError: [Errno 2] No such file or directory: '/x'"
+    del nodes["gpu-a"]
+    nets = {h: v for h, v in NETS.items() if h != "gpu-a"}
+    report = judge(setup, nodes, nets)
+    p = report["problems"]
+    assert p[0] == "node 0 (gpu-a): no report from its probe (could not start python there?)"
+    assert p[1] == "node 1 (gpu-b): sees 2 GPU(s), the plan needs 4 (topology.gpus_per_node)"
+    assert p[2].startswith(f"node 2 (gpu-c): cannot see the run directory {setup[2].run_dir} (the file node 0 "
+                           "wrote: FileNotFoundError")
+    assert p[3].startswith("node 2 (gpu-c): installed packages differ from node 1 (gpu-b): torch==9.9")
+    assert p[4] == "all-reduce across 3 node(s) failed (2/3 probes reported)"
+    assert len(p) == 5
+    table = preflight.format_table({**report, "seconds": 1.0})
+    assert "0     gpu-a            (no report)" in table
+    assert [ln for ln in table.splitlines() if ln.startswith("PROBLEM: ")] == [f"PROBLEM: {x}" for x in p]
+
+
+def test_a_node_that_writes_elsewhere_is_named(setup):
+    nodes = nodes_like(setup[3], setup[4])
+    (setup[4] / "node-gpu-b.txt").unlink()        # what gpu-b wrote never reached node 0's filesystem
+    p = judge(setup, nodes)["problems"]
+    assert p == [f"node 1 (gpu-b): node 0 cannot read the file it wrote ({setup[4] / 'node-gpu-b.txt'}): "
+                 "not the same filesystem"]
