@@ -98,21 +98,24 @@ def test_a_group_that_fails_to_start_shuts_the_others_down_and_its_error_is_rais
 
 def test_a_synchronous_save_gets_a_plain_queue_not_a_spawned_manager():
     """workers.trainer.state gives megatron's FileSystemWriterAsync a queue.Queue before the first
-    save, so megatron's get_write_results_queue() returns it instead of starting a Manager."""
-    import multiprocessing
-    import queue
+    save, so megatron's get_write_results_queue() returns it instead of starting a Manager (in a
+    subprocess: cpu_shim patches the process it runs in)."""
+    import subprocess
+    import sys
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from workers.trainer import state
-
-    saved = filesystem_async._results_queue
-    try:
-        filesystem_async._results_queue = None
-        state.plain_results_queue()
-        q = filesystem_async.get_write_results_queue()
-        assert isinstance(q, queue.Queue) and not multiprocessing.active_children()
-        state.plain_results_queue()  # once: megatron's cached queue is kept
-        assert filesystem_async.get_write_results_queue() is q
-    finally:
-        filesystem_async._results_queue = saved
+    code = """
+import multiprocessing, queue
+from workers import cpu_shim
+cpu_shim.apply("cpu")
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from workers.trainer import state
+assert filesystem_async._results_queue is None
+state.plain_results_queue()
+q = filesystem_async.get_write_results_queue()
+assert isinstance(q, queue.Queue) and not multiprocessing.active_children(), (q, multiprocessing.active_children())
+state.plain_results_queue()  # once: megatron's cached queue is kept
+assert filesystem_async.get_write_results_queue() is q
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

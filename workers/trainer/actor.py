@@ -60,6 +60,12 @@ def node_address() -> tuple[str, int]:
     return ip, free_port()
 
 
+def _process_start() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 class MegatronTrainer:
     def __init__(self, config: TrainerConfig | dict, rank: int, world_size: int,
                  master_addr: Optional[str] = None, master_port: Optional[int] = None):
@@ -73,6 +79,10 @@ class MegatronTrainer:
         self.step = 0
         self.model = None
         self.refit_sender = Sender()
+        # (phase, time.time() at its end) for the driver's start-up breakdown; the first phase begins
+        # when the driver asked Ray for this actor (a prestarted Ray worker makes it 0)
+        self.startup = [("Ray worker process start", _process_start()),
+                        ("imports (torch, ray, trainer module)", time.time())]
         if master_addr is not None and master_port is not None:
             self.setup(master_addr, master_port)
 
@@ -87,6 +97,7 @@ class MegatronTrainer:
 
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the process group at master_addr:master_port, build model + optimizer; returns info()."""
+        self.startup.append(("waiting for the group (where, rank 0's address)", time.time()))
         logging.getLogger("megatron").setLevel(self.cfg.megatron_log_level)  # before megatron imports
         cpu_shim.apply(self.device)
         build.join_process_group(self.cfg, self.rank, self.world_size, master_addr, master_port)
@@ -98,13 +109,16 @@ class MegatronTrainer:
         self.pp_rank, self.pp_size = (self.ps.get_pipeline_model_parallel_rank(),
                                       self.ps.get_pipeline_model_parallel_world_size())
         build.seed_everything(self.cfg.seed, self.is_cpu)
+        self.startup.append(("process group + parallel state (first megatron import)", time.time()))
         built = build.build_model(self.cfg, self.rank)
+        self.startup.append(("Megatron build (Bridge, weights, LoRA)", time.time()))
         self.bridge, self.provider, self.model, self.model_config = (built.bridge, built.provider, built.model,
                                                                      built.model_config)
         self.vocab_size, self.lora = built.vocab_size, built.lora
         self.num_parameters, self.peft_statistics = built.num_parameters, built.peft_statistics
         self.optimizer = build.build_optimizer(self.cfg, self.model, self.model_config)
         self.scheduler = self._make_scheduler()
+        self.startup.append(("optimizer + scheduler", time.time()))
         return self.info()
 
     def _make_scheduler(self):
@@ -116,7 +130,7 @@ class MegatronTrainer:
                 "dp_rank": self.dp_rank, "dp_size": self.dp_size, "tp_rank": self.tp_rank,
                 "tp_size": self.tp_size, "pp_rank": self.pp_rank, "pp_size": self.pp_size,
                 "is_output_rank": self._is_output_rank(), "peft_statistics": self.peft_statistics,
-                "num_parameters": self.num_parameters, "step": self.step}
+                "num_parameters": self.num_parameters, "step": self.step, "startup": self.startup}
 
     def _is_output_rank(self) -> bool:
         """One rank per DP shard returns results (TP rank 0 of the last pipeline stage)."""
