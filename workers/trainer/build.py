@@ -95,6 +95,11 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     provider.expert_tensor_parallel_size = p.expert_tensor_parallel
     # MoE at TP>1: megatron's MoELayer refuses to train without sequence parallelism, so it is on
     provider.sequence_parallel = p.tensor_parallel > 1 and (p.sequence_parallel or bool(getattr(provider, "num_moe_experts", None)))
+    if getattr(provider, "num_moe_experts", None) and (cfg.peft.enabled or cfg.peft.freeze_moe_router):
+        # The router is frozen (LoRA freezes every base weight): its load-balancing loss could only push
+        # the other weights to re-balance a router that cannot change, and it depends on how the batch
+        # is split over data-parallel ranks (a step at EP2 would differ from the same step at EP1).
+        provider.moe_router_load_balancing_type, provider.moe_aux_loss_coeff = "none", 0.0
     provider.params_dtype = dtype
     if provider.vocab_size % p.tensor_parallel:
         provider.should_pad_vocab = True  # megatron splits the vocab evenly over TP ranks
