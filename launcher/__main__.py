@@ -230,16 +230,19 @@ def _multirun(overrides: list[str], opts: Options) -> int:
             print("error: nothing was submitted", file=sys.stderr)
             return 2
     sdir = sweep_mod.sweep_dir(runs[0].run_dir.parent, bases[0])
-    rows, rc = [], 0
+    rows, rc, failures = [], 0, 0
     for p, r in zip(points, runs):
         stop_mod.clear_stop_request(r.run_dir)
         job_id, state = None, "written"
         if rc:
-            state = "not submitted"
+            state = "not submitted" if r.spec is not None else "not run"
         elif r.spec is None:
             print(f"== point {p.index}/{len(points)}: {p.label()}: running here", flush=True)
-            code = subprocess.run([sys.executable, "-m", "launcher", *p.overrides, f"run.name='{p.name}'"]).returncode
-            state = "COMPLETED" if code == 0 else f"exit {code}"
+            sweep_mod.record(sdir / "sweep.jsonl", p, r.run_dir, None, "running")
+            code = _run_point([*p.overrides, f"run.name='{p.name}'"])
+            state = "COMPLETED" if code == 0 else "interrupted" if code == 130 else f"exit {code}"
+            rc = 130 if code == 130 else 0  # Ctrl-C ends the sweep; a failed point does not
+            failures += code not in (0, 130)
         elif r.cfg.submit:
             try:
                 job_id = _submit_job(r.cfg, r.plan, r.run_dir)
@@ -255,7 +258,18 @@ def _multirun(overrides: list[str], opts: Options) -> int:
         print(f"submit each with: sbatch <run directory>/ray_job.sbatch   (run directories under {sdir.parents[1]})")
     else:
         print(f"follow it: python -m launcher.status {sdir} --watch")
-    return rc
+    return rc or (1 if failures else 0)
+
+
+def _run_point(overrides: list[str]) -> int:
+    """One point of a local sweep in its own process (its own Ray); Ctrl-C is the child's to handle
+    (checkpoint and stop; again: stop now), so this waits for it instead of killing it."""
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", *overrides])
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            continue
 
 
 def _last_line(e: Exception) -> str:
