@@ -47,7 +47,7 @@ options:
                           validated before any is submitted; runs are named <run.name>-<swept values>
   --max-points N          the most points a sweep may have (default {max_points})
   follow runs:            python -m launcher.status [RUN_DIR | SWEEP_DIR | run.name=NAME] [--watch] [--json]
-  stop a run:             python -m launcher.stop RUN_DIR   (after its next checkpoint; no requeue)
+  stop a run:             python -m launcher.stop RUN_DIR|SWEEP_DIR   (after its next checkpoint; no requeue)
 
 config groups (conf/<group>/<option>.yaml):
 {groups}

@@ -1,4 +1,5 @@
-"""`python -m launcher.stop RUN_DIR [--no-wait] [--timeout S]`: stop a run after its next checkpoint.
+"""`python -m launcher.stop RUN_DIR|SWEEP_DIR [--no-wait] [--timeout S]`: stop a run (or every run of
+a sweep) after its next checkpoint.
 
 The same path as a preemption inside the job (the driver ends at its step boundary, after saving
 a checkpoint), but the job is not requeued: this writes RUN/stop_requested, which the job's
@@ -18,7 +19,7 @@ from launcher import progress
 from launcher import status as status_mod
 from launcher.job import stop as stop_mod
 
-USAGE = "usage: python -m launcher.stop RUN_DIR [--no-wait] [--timeout SECONDS]"
+USAGE = "usage: python -m launcher.stop RUN_DIR|SWEEP_DIR [--no-wait] [--timeout SECONDS]"
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "REQUEUED", "RESIZING", "STOPPED", "SUBMITTED"}
 
 
@@ -26,34 +27,40 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def stop_run(run_dir: Path, wait: bool = True, timeout: float = 3600.0) -> int:
+def ask(run_dir: Path, alone: bool = True) -> tuple[str | None, int]:
+    """Ask one run to stop: (its job id when it must be waited for, exit code so far). A run that
+    is not running is an error when it was named `alone`, a note for a sweep's."""
     info = status_mod.collect(run_dir)
     state, job = info["state"], info["job_id"]
     if state == "PENDING":
         out = subprocess.run(["scancel", str(job)], capture_output=True, text=True)
         if out.returncode != 0:
             print(f"error: scancel {job}: {out.stderr.strip()}", file=sys.stderr)
-            return 1
-        _say(f"job {job} was still pending: cancelled (nothing to checkpoint; it reached step {info['step']})")
-        return 0
+            return None, 1
+        _say(f"job {job} ({info['run']}) was still pending: cancelled (nothing to checkpoint; it reached step "
+             f"{info['step']})")
+        return None, 0
     if state not in ACTIVE:
+        if not alone:
+            _say(f"{info['run']}: not running (job {job or '-'} {state}); nothing to stop")
+            return None, 0
         print(f"error: {run_dir}: not running (job {job or '-'} {state}); nothing to stop", file=sys.stderr)
-        return 1
+        return None, 1
     stop_mod.write_stop_request(run_dir, by="python -m launcher.stop")
     _say(f"asked job {job} ({info['run']}, step {info['step']}/{info['max_num_steps']}) to stop after its "
          f"current step and a checkpoint; it will not be requeued")
-    if not wait:
-        _say(f"follow it: python -m launcher.status {run_dir} --watch")
-        return 0
-    t0 = time.monotonic()
-    beat = progress.Heartbeat(_say)
+    return job, 0
+
+
+def wait_stopped(run_dir: Path, job: str, deadline: float, beat: progress.Heartbeat) -> int:
+    """Until the job has ended; then say at which step and checkpoint it stopped."""
     while True:
         info = status_mod.collect(run_dir)
         if info["state"] in status_mod.TERMINAL:
             break
-        if time.monotonic() - t0 > timeout:
-            print(f"error: job {job} has not stopped after {timeout:.0f}s (state {info['state']}, step "
-                  f"{info['step']}); the request stays in {run_dir / stop_mod.STOP_FILE}", file=sys.stderr)
+        if time.monotonic() > deadline:
+            print(f"error: job {job} has not stopped in time (state {info['state']}, step {info['step']}); the "
+                  f"request stays in {run_dir / stop_mod.STOP_FILE}", file=sys.stderr)
             return 1
         beat.tick(f"waiting for job {job} to checkpoint and stop (state {info['state']}, step "
                   f"{info['step']}/{info['max_num_steps']})")
@@ -70,6 +77,24 @@ def stop_run(run_dir: Path, wait: bool = True, timeout: float = 3600.0) -> int:
                                                       if info["last_failure"] else ""))
     stop_mod.clear_stop_request(run_dir)
     return 0 if info["state"] == "COMPLETED" else 1
+
+
+def stop_runs(run_dirs: list[Path], wait: bool = True, timeout: float = 3600.0) -> int:
+    """Ask every run first (a sweep's runs stop together), then wait for each."""
+    asked, rc = [], 0
+    for d in run_dirs:
+        job, code = ask(d, alone=len(run_dirs) == 1)
+        rc = max(rc, code)
+        if job is not None:
+            asked.append((d, job))
+    if not wait:
+        for d, _ in asked:
+            _say(f"follow it: python -m launcher.status {d} --watch")
+        return rc
+    deadline, beat = time.monotonic() + timeout, progress.Heartbeat(_say)
+    for d, job in asked:
+        rc = max(rc, wait_stopped(d, job, deadline, beat))
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(dirs) != 1:
         print(USAGE, file=sys.stderr)
         return 2
-    if not (dirs[0] / "config.yaml").is_file():
-        print(f"error: {dirs[0]}: not a run directory (no config.yaml)", file=sys.stderr)
+    if not (dirs[0] / "config.yaml").is_file() and not (dirs[0] / "sweep.jsonl").is_file():
+        print(f"error: {dirs[0]}: not a run directory (no config.yaml) nor a sweep directory (no sweep.jsonl)",
+              file=sys.stderr)
         return 2
     try:
-        return stop_run(dirs[0].resolve(), wait, timeout)
+        return stop_runs(status_mod.runs_of([str(dirs[0])]), wait, timeout)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -310,7 +310,8 @@ def test_stop_of_a_run_that_is_not_running(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (f"error: {run}: not running (job local-{os.getpid()} COMPLETED); "
                                                f"nothing to stop")
     assert stop_cli.main([str(tmp_path / "nope")]) == 2
-    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'}: not a run directory (no config.yaml)"
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'nope'}: not a run directory (no config.yaml) "
+                                               f"nor a sweep directory (no sweep.jsonl)")
 
 
 def test_status_finds_a_run_by_its_overrides_and_says_what_is_missing(tmp_path, capsys):
