@@ -161,3 +161,15 @@ def test_export_base_model_with_an_odd_config_is_one_line(checkpoint, tmp_path, 
     rc = main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--base-model", str(base)])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "(the base model, from --base-model)" in err and err.count("\n") == 1, err
+
+
+def test_the_lora_scan_reads_through_the_restricted_unpickler(checkpoint, tmp_path):
+    """workers/lora/checkpoint.scan (the exporter's reader), even without the driver's verify."""
+    from workers.lora.checkpoint import LoraCheckpointError, scan
+
+    assert scan(checkpoint / "trainer").lora
+    marker = tmp_path / "pwned"
+    forge(checkpoint / "trainer" / ".metadata", marker)
+    with pytest.raises(LoraCheckpointError, match="refused to unpickle posix.system"):
+        scan(checkpoint / "trainer")
+    assert not marker.exists()

@@ -57,11 +57,16 @@ def scan(directory: str | Path) -> Scan:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from workers import safe_unpickle
+
     directory = Path(directory)
     if not (directory / ".metadata").is_file():
         raise LoraCheckpointError(f"{directory}: no torch distributed checkpoint here (no .metadata)")
+    safe_unpickle.install()  # `.metadata` is a pickle: checkpoint classes only, no code
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
+    except safe_unpickle.Refused as e:
+        raise LoraCheckpointError(f"{directory / '.metadata'}: {e}; nothing was run") from None
     except Exception as e:  # a truncated or foreign .metadata
         raise LoraCheckpointError(f"{directory / '.metadata'}: unreadable ({type(e).__name__})") from None
     out = Scan(directory, total_bytes=sum(s.length for s in (metadata.storage_data or {}).values()))

@@ -80,6 +80,9 @@ def load_state(directory: str, *, rank: int, module, optimizer, layout: dict, de
     """
     from megatron.core import dist_checkpointing
 
+    from workers import safe_unpickle
+
+    safe_unpickle.install()  # every `.metadata` megatron reads below: checkpoint classes only, no code
     common = dist_checkpointing.load_common_state_dict(directory)
     model_sd = _trainable_sharded_state_dict(module)
     state = {"model": model_sd}
