@@ -36,6 +36,7 @@ MARK = "PREFLIGHT "          # the one stdout line of a probe starts with this
 MIN_FREE_GIB = 1.0           # below this free disk in the run directory, checkpoints fail
 PROBE_TIMEOUT_S = 180.0
 ALLREDUCE_MIB = {"cuda": 256, "cpu": 16}
+PIECE_CHARS = 300            # JSON escaping at most doubles it: each line of a probe stays under 1 KiB
 
 
 class PreflightFailed(ClusterError):
@@ -78,7 +79,7 @@ def _try(fn) -> str:
         fn()
         return "ok"
     except Exception as e:  # noqa: BLE001 - reported, not raised
-        return f"{type(e).__name__}: {e}".splitlines()[0]
+        return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
 def _writable_dir(path: Path) -> None:
@@ -192,13 +193,42 @@ def main(argv: list[str] | None = None) -> int:
     world = args["world"]
     rank = int(os.environ.get("SLURM_PROCID", "0")) if world > 1 else 0
     info = probe(args)
-    print(MARK + json.dumps({"kind": "node", "rank": rank, **info}), flush=True)
+    _emit({"kind": "node", "rank": rank, **info})
     try:
         net = allreduce(args, rank, world)
     except Exception as e:  # noqa: BLE001 - reported by node 0
         net = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
-    print(MARK + json.dumps({"kind": "net", "rank": rank, "host": info["host"], **net}), flush=True)
+    _emit({"kind": "net", "rank": rank, "host": info["host"], **net})
     return 0
+
+
+def _emit(record: dict) -> None:
+    """The record as short lines, each written at once: slurmstepd forwards task output in chunks
+    of about 1 KiB, so a longer line could interleave with another node's. Node 0 reassembles."""
+    text, host = json.dumps(record), record["host"]
+    parts = [text[i:i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)]
+    for i, part in enumerate(parts):
+        sys.stdout.write(MARK + json.dumps({"host": host, "kind": record["kind"], "i": i, "n": len(parts),
+                                            "data": part}) + "\n")
+        sys.stdout.flush()
+
+
+def _records(out: str) -> list[dict]:
+    """The probes' records from srun's output (pieces of any probe, in any order between probes)."""
+    pieces: dict[tuple, dict[int, str]] = {}
+    counts: dict[tuple, int] = {}
+    for line in out.splitlines():
+        if not line.startswith(MARK):
+            continue
+        try:
+            p = json.loads(line[len(MARK):])
+        except json.JSONDecodeError:  # a garbled line: that record is lost (counts as no report)
+            continue
+        key = (p["host"], p["kind"])
+        pieces.setdefault(key, {})[p["i"]] = p["data"]
+        counts[key] = p["n"]
+    return [json.loads("".join(got[i] for i in range(counts[key])))
+            for key, got in pieces.items() if len(got) == counts[key]]
 
 
 # --------------------------------------------------------------------------------- node 0 (head)
@@ -207,7 +237,8 @@ def _launch(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, args: dict) -> su
     if cfg.topology.executor == "slurm":
         n = len(ctx.hostnames)
         srun = ["srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-                f"--nodelist={','.join(ctx.hostnames)}", "--chdir=/", "--kill-on-bad-exit=0", "--unbuffered"]
+                f"--nodelist={','.join(ctx.hostnames)}", "--chdir=/", "--kill-on-bad-exit=0"]
+        # no --unbuffered: srun then forwards whole lines, so the probes' long lines never interleave
         if plan.nodes[0].gpus:
             srun.append(f"--gpus-per-node={plan.nodes[0].gpus}")
         if cfg.slurm.container_image:
@@ -247,10 +278,8 @@ def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
         err, rc = "", None
         problems.append(f"the probes did not finish within {PROBE_TIMEOUT_S:.0f}s")
     nodes, nets = {}, {}
-    for line in out.splitlines():
-        if line.startswith(MARK):
-            rec = json.loads(line[len(MARK):])
-            (nodes if rec["kind"] == "node" else nets)[rec["host"]] = rec
+    for rec in _records(out):
+        (nodes if rec["kind"] == "node" else nets)[rec["host"]] = rec
     report = {"job": ctx.job_id, "device": plan.device, "hosts": ctx.hostnames, "nodes": [], "net": nets}
     problems += _judge(cfg, plan, ctx, nodes, nets, report, folder, nonce)
     if rc not in (0, None) and not problems:

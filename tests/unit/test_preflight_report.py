@@ -106,3 +106,19 @@ def test_a_node_that_writes_elsewhere_is_named(setup):
     p = judge(setup, nodes)["problems"]
     assert p == [f"node 1 (gpu-b): node 0 cannot read the file it wrote ({setup[4] / 'node-gpu-b.txt'}): "
                  "not the same filesystem"]
+
+
+def test_probe_lines_stay_short_and_survive_interleaving(capsys):
+    """slurmstepd forwards task output in ~1 KiB chunks: each line stays under it, and node 0
+    reassembles records whose lines arrive interleaved with another node's."""
+    a = {"kind": "node", "host": "gpu-a", "packages": [f"pkg{i}==1.0" for i in range(400)], "err": '"' * 900}
+    b = {"kind": "node", "host": "gpu-b", "packages": ["x==2"], "err": ""}
+    preflight._emit(a)
+    lines_a = capsys.readouterr().out.splitlines()
+    preflight._emit(b)
+    lines_b = capsys.readouterr().out.splitlines()
+    assert len(lines_a) > 10 and max(len(ln.encode()) for ln in lines_a + lines_b) < 1000
+    mixed = [ln for pair in zip(lines_a, lines_b + [""] * len(lines_a)) for ln in pair if ln]
+    got = {r["host"]: r for r in preflight._records("srun: warning\n" + "\n".join(mixed[::-1]))}
+    assert got == {"gpu-a": a, "gpu-b": b}
+    assert preflight._records("\n".join(lines_a[:-1])) == []        # a lost piece: no record
