@@ -57,6 +57,25 @@ def test_pack_unpack_round_trip_mixed_dtypes(bucket_bytes):
     assert layout.nbytes == sum(b.nbytes for b in layout.buckets) >= sum(t.nbytes for _, t in named)
 
 
+def test_pack_zeroes_only_the_gaps_and_per_tensor_buckets_unpack_the_same():
+    named = _named()
+    layout = RefitLayout("weights", tuple(TensorMeta.of(n, t) for n, t in named), 1000)
+    for bucket in layout.buckets:
+        tensors = [t for _, t in named[bucket.start:bucket.stop]]
+        buf = refit.pack_bucket(tensors, bucket)
+        used = torch.zeros(bucket.nbytes, dtype=torch.bool)
+        for t, off in zip(tensors, bucket.offsets):
+            used[off:off + t.nbytes] = True
+        assert not buf[~used].any()  # alignment gaps are zero, not left over memory
+        # the Ray transport's bucket: one flat uint8 tensor per tensor, no staging buffer
+        raws = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        got = refit.unpack_tensors(raws, bucket, layout)
+        assert [(n, t.dtype) for n, t in got] == [(n, t.dtype) for n, t in refit.unpack_bucket(buf, bucket, layout)]
+        assert all(torch.equal(a, b) for (_, a), b in zip(got, tensors))
+        with pytest.raises(RuntimeError, match="holds 0 tensors"):
+            refit.unpack_tensors([], bucket, layout)
+
+
 def test_layout_plain_round_trip_and_key():
     groups = (refit.LoraGroupMeta("decoder.layers.0.self_attention.linear_qkv", 0, ("q", "k", "v")),)
     layout = RefitLayout("lora", tuple(TensorMeta.of(n, t) for n, t in _named()), 4096, groups, dim=8, alpha=16)

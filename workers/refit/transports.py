@@ -2,7 +2,8 @@
 each with its send (trainer rank 0, `sender.Sender`) and its receive (every vLLM worker,
 `vllm_extension.RefitWorkerExtension`); which one is used is decided once, by constructing it.
 
-  RayTransport        buckets are `ray.put` by trainer rank 0 as numpy uint8 arrays; workers
+  RayTransport        each bucket is `ray.put` by trainer rank 0 as a list of the tensors' bytes
+                      (numpy uint8 views: one copy, into the store; no staging buffer); workers
                       `ray.get` them (zero-copy). The layout is put once; a worker fetches it only
                       when it lacks it (first refit, a restarted engine). The default on CPU.
   BroadcastTransport  a process group of trainer rank 0 + all vLLM workers (rank 0 = source),
@@ -27,7 +28,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from workers.refit.wire import (RefitLayout, RefitPayload, TensorMeta, aligned, kind_of, pack_bucket,
-                                plan_buckets, unpack_bucket)
+                                plan_buckets, unpack_bucket, unpack_tensors)
 
 BROADCAST_BACKENDS = ("nccl", "gloo")
 
@@ -45,7 +46,8 @@ class _Transport:
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for bucket, buf in zip(layout.buckets, buffers):
-                yield from unpack_bucket(buf, bucket, layout)
+                yield from (unpack_tensors(buf, bucket, layout) if isinstance(buf, list)
+                            else unpack_bucket(buf, bucket, layout))
 
         return layout, stream(), received
 
@@ -68,6 +70,11 @@ def _as_uint8_tensor(obj) -> torch.Tensor:
         return torch.from_numpy(obj)
 
 
+def _bytes_of(t: torch.Tensor):
+    """A tensor's bytes as a flat numpy uint8 array (a view for a contiguous CPU tensor)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+
+
 class RayTransport(_Transport):
     name = "ray"
 
@@ -83,7 +90,8 @@ class RayTransport(_Transport):
             nonlocal pending, pending_end
             if pending:
                 bucket = plan_buckets([m.nbytes for m, _ in pending], bucket_bytes)[0]
-                refs.append(ray.put(pack_bucket([t for _, t in pending], bucket).cpu().numpy()))
+                # one array per tensor, no staging buffer: ray.put copies each once, into the store
+                refs.append(ray.put([_bytes_of(t) for _, t in pending]))
                 pending, pending_end = [], 0
 
         for name, tensor in named:
@@ -125,7 +133,8 @@ class RayTransport(_Transport):
         import ray
 
         for ref in spec["buckets"]:
-            yield _as_uint8_tensor(ray.get(ref))
+            obj = ray.get(ref)
+            yield [_as_uint8_tensor(a) for a in obj] if isinstance(obj, list) else _as_uint8_tensor(obj)
 
 
 # ------------------------------------------------------------------------------------ broadcast group

@@ -165,12 +165,25 @@ class RefitLayout:
 
 
 def pack_bucket(tensors: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
-    """Copy tensors into one uint8 buffer at the planned offsets (on the tensors' device)."""
-    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=tensors[0].device)
+    """Copy tensors into one uint8 buffer at the planned offsets (on the tensors' device); only
+    the alignment gaps are zeroed (no memset of the whole buffer before it is overwritten)."""
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=tensors[0].device)
+    end = 0
     for t, off in zip(tensors, bucket.offsets):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buf[end:off].zero_()
         buf[off:off + raw.numel()].copy_(raw)
+        end = off + raw.numel()
+    buf[end:].zero_()
     return buf
+
+
+def unpack_tensors(raws: Sequence[torch.Tensor], bucket: Bucket, layout: RefitLayout) -> list[tuple[str, torch.Tensor]]:
+    """The same views from one flat uint8 tensor per tensor (the Ray transport's bucket, unpacked)."""
+    metas = layout.tensors[bucket.start:bucket.stop]
+    if len(raws) != len(metas):
+        raise RuntimeError(f"refit bucket holds {len(raws)} tensors, its layout {len(metas)}")
+    return [(m.name, raw.view(getattr(torch, m.dtype)).view(m.shape)) for m, raw in zip(metas, raws)]
 
 
 def unpack_bucket(buf: torch.Tensor, bucket: Bucket, layout: RefitLayout) -> list[tuple[str, torch.Tensor]]:
