@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext, log
-from launcher.config.schema import Config
+from launcher.config.schema import Config, ConfigError
 from launcher.driver import advantages, data, models, rewards
 from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
 from launcher.driver.failures import StepFailed, describe
@@ -35,10 +35,6 @@ class GrpoRun:
         self.stop = stop or threading.Event()
         self.run_dir = ctx.run_dir
         self.ckpts = CheckpointManager(checkpoint_dirs(cfg, self.run_dir), cfg.checkpointing)
-        self.dataset = data.PromptDataset(cfg.data.train, cfg.data.seed, cfg.data)
-        validating = cfg.data.validation is not None and (cfg.grpo.val_period or cfg.grpo.val_at_start)
-        self.val_set = data.PromptDataset(cfg.data.validation, cfg.data.seed, cfg.data, "data.validation") \
-            if validating else None
         self.rewards = rewards.Rewards(cfg.reward, cfg.data.answer_key, self.run_dir)
         self.trainers = None
         self.generators = None
@@ -98,8 +94,18 @@ class GrpoRun:
         log("actor logs:\n" + "\n".join(lines))
 
     def prompts_from(self, tokenizer) -> None:
-        """The prompt sets encoded with the model's tokenizer (its chat template when it has one)."""
+        """The prompt sets, encoded with the model's tokenizer (its chat template when it has one)."""
+        try:
+            self._read_prompts(tokenizer)
+        except ConfigError as e:  # a file changed since submission, messages without a template, ...
+            raise StepFailed(f"data: {e}") from None
+
+    def _read_prompts(self, tokenizer) -> None:
         cfg = self.cfg
+        self.dataset = data.PromptDataset(cfg.data.train, cfg.data.seed, cfg.data)
+        validating = cfg.data.validation is not None and (cfg.grpo.val_period or cfg.grpo.val_at_start)
+        self.val_set = data.PromptDataset(cfg.data.validation, cfg.data.seed, cfg.data, "data.validation") \
+            if validating else None
         encoder = data.PromptEncoder(tokenizer, cfg.data)
         limit = data.max_prompt_tokens(cfg.data, cfg.grpo.max_total_sequence_length, cfg.grpo.max_new_tokens)
         self.prompts = data.Prompts(self.dataset, encoder, limit)

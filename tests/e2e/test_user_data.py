@@ -120,3 +120,15 @@ def test_resume_with_dynamic_sampling_and_validation_equals_the_uninterrupted_ru
     assert sorted(a) == sorted(b) and any(".adapter." in k for k in a)
     for k in a:
         assert a[k].equal(b[k]), k  # bitwise
+
+
+def test_messages_need_a_chat_template_one_line(user_files, tmp_path):
+    """A tokenizer without a chat template cannot render a record's messages: one line, exit 1."""
+    msgs = write_jsonl(tmp_path / "chats.jsonl", [{"msgs": [{"role": "user", "content": "say 4 ."}], "answer": "4"}])
+    p = subprocess.run([PY, "-m", "launcher", f"run.root={tmp_path}", f"data.train={msgs}", "data.messages_key=msgs",
+                        "reward.fn=exact_match", "grpo.max_num_steps=1", "logging.tensorboard=false"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert ("error: data: data.messages_key: needs a tokenizer with a chat template (and data.chat_template=auto); "
+            "this tokenizer has none: use data.prompt_key") in p.stderr
+    assert "Traceback" not in p.stderr
