@@ -160,6 +160,10 @@ def _init(spec: str, answer_key: str, run_dir: str | None) -> None:
         _LOAD_ERROR = f"{type(e).__name__}: {e}"
 
 
+def _ready(_: int) -> bool:
+    return _FN is not None
+
+
 def _call(response: str, example: dict) -> tuple:
     """("ok", value) or ("error", one line, traceback)."""
     if _FN is None:
@@ -198,6 +202,8 @@ class Rewards:
 
             self.pool = multiprocessing.get_context("spawn").Pool(self.r.workers, initializer=_init,
                                                                   initargs=self._init_args)
+            # wait for the workers' imports (the user's module may import a lot) outside any call's timeout
+            self.pool.map(_ready, range(self.r.workers), chunksize=1)
         return self.pool
 
     def score(self, responses: list[str], examples: list) -> tuple[list[float], int]:

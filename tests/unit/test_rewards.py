@@ -137,3 +137,13 @@ def test_the_run_uses_its_copy_of_a_reward_file(reward_file, tmp_path):
     reward_file.write_text("def score(response, example):\n    return 0.5\n")  # edited after submission
     assert rewards.load(f"{reward_file}:score", run_dir=run)("yes", {"expected": "yes"}) == 1.0
     assert rewards.load(f"{reward_file}:score")("yes", {"expected": "yes"}) == 0.5
+
+
+def test_a_slow_import_does_not_count_against_the_call_timeout(tmp_path):
+    slow = tmp_path / "slow_import.py"
+    slow.write_text("import time\ntime.sleep(3)  # a heavy import\n\ndef score(response, example):\n    return 1.0\n")
+    r = rewards.Rewards(Reward(fn=f"{slow}:score", workers=2, timeout_s=1), "answer", tmp_path)
+    try:
+        assert r.score(["a", "b"], examples(["x", "y"])) == ([1.0, 1.0], 0)
+    finally:
+        r.close()
