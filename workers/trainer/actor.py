@@ -33,7 +33,6 @@ from dataclasses import asdict
 from functools import partial
 from typing import Any, Iterator, Optional
 
-import ray
 import torch
 
 from workers import cpu_shim, hf_checkpoint
@@ -53,9 +52,11 @@ def free_port() -> int:
 
 def node_address() -> tuple[str, int]:
     """This node's IP and a currently free TCP port on it (for the process-group rendezvous)."""
-    try:
+    try:  # ray imported here: the trainer also runs without Ray (tests/gpu on a machine that has none)
+        import ray
+
         ip = ray.util.get_node_ip_address()
-    except Exception:  # not inside Ray
+    except Exception:  # not inside Ray, or no Ray installed
         ip = socket.gethostbyname(socket.gethostname())
     return ip, free_port()
 

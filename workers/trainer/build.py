@@ -111,7 +111,7 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
 
         if hasattr(provider, "transformer_layer_spec"):
             provider.transformer_layer_spec = local_layer_spec
-    if is_cpu:  # fused kernels are CUDA-only (MoE: SequentialMLP experts instead of the grouped GEMM)
+    if is_cpu or not _have_transformer_engine():  # fused kernels need CUDA and TE (MoE: SequentialMLP experts)
         for flag in ("apply_rope_fusion", "persist_layer_norm", "bias_activation_fusion",
                      "masked_softmax_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion",
                      "gradient_accumulation_fusion", "moe_permute_fusion", "moe_grouped_gemm"):
