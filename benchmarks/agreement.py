@@ -39,17 +39,8 @@ DTYPES = {"bf16": "bfloat16", "float32": "float32"}
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 
-def refit_module():
-    """run_refit's home (the refit package is being split; both layouts work)."""
-    import importlib
-    import importlib.util
-
-    name = "workers.refit.control" if importlib.util.find_spec("workers.refit.control") else "workers.refit.wire"
-    return importlib.import_module(name)
-
-
 def trainer_group(model_dir: Path, dtype: str, lr: float, dim: int, alpha: float, steps: int):
-    from workers.trainer.actor import TrainerConfig
+    from workers.trainer.config import TrainerConfig
     from workers.trainer.group import TrainerGroup
 
     peft = {"enabled": True, "target_modules": TARGETS, "dim": dim, "alpha": alpha, "dropout": 0.0,
@@ -111,7 +102,7 @@ def run_dtype(model_dir: Path, label: str, args) -> list[dict]:
     from workers.generator.actor import GeneratorConfig
     from workers.generator.group import GeneratorGroup
 
-    refit = refit_module()
+    from workers.refit import control as refit
     dtype = DTYPES[label]
     slot = [{"resources": {"generation_slot": 1}, "num_cpus": 1}]
     t = time.time()

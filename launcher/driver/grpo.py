@@ -47,7 +47,7 @@ class GrpoRun:
         from workers.refit import control as refit
         from workers.generator.actor import GeneratorConfig
         from workers.generator.group import GeneratorGroup
-        from workers.trainer.actor import TrainerConfig
+        from workers.trainer.config import TrainerConfig
         from workers.trainer.group import TrainerGroup
 
         cfg, plan = self.cfg, self.plan
