@@ -1,0 +1,97 @@
+"""Real local runs (`python -m launcher` on this machine) for docs/security.md:
+- a branch resume (+resume=step_2 on a run that has step_4) moves the newer checkpoint and
+  metrics rows aside, keeps the branch's own checkpoint through retention, and its retry/requeue
+  path resumes from the branch's newest;
+- a real trainer checkpoint whose `.metadata` was replaced by a pickle that runs code, with a
+  manifest rewritten to match, is refused at submission: nothing runs."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+PY = sys.executable
+COMMON = ["grpo.max_num_steps=4", "checkpointing.save_period=2", "checkpointing.keep_top_k=null",
+          "logging.tensorboard=false"]
+
+
+def launch(root: Path, *overrides: str, rc: int = 0) -> subprocess.CompletedProcess:
+    p = subprocess.run([PY, "-m", "launcher", f"run.root={root}", *COMMON, *overrides],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == rc, p.stdout[-4000:] + p.stderr[-4000:]
+    return p
+
+
+def steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trained")
+    launch(root)
+    run = root / "local-tiny_llama"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    return root, run
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_forged_real_checkpoint_is_refused_before_anything_runs(trained, tmp_path):
+    from launcher.driver.checkpoints import MANIFEST, _files
+
+    _, run = trained
+    ckpt = tmp_path / "theirs" / "step_4"
+    shutil.copytree(run / "checkpoints" / "step_4", ckpt)
+    meta = ckpt / "trainer" / ".metadata"
+    marker = tmp_path / "pwned"
+    with open(meta, "rb") as f:
+        real = pickle.load(f)
+    meta.write_bytes(pickle.dumps((Payload(marker), real)))
+    (ckpt / MANIFEST).write_text(json.dumps({"files": _files(ckpt)}))
+    p = launch(tmp_path / "mine", f"+resume={ckpt}", rc=2)
+    assert p.stderr.startswith(f"error: resume: {meta}: refused to unpickle posix.system") and \
+        p.stderr.count("\n") == 1, p.stderr
+    assert not marker.exists() and not (tmp_path / "mine").exists()
+    e = subprocess.run([PY, "-m", "launcher.export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300)
+    assert e.returncode == 2 and "refused to unpickle posix.system" in e.stderr, e.stderr
+    assert not marker.exists()
+
+
+def test_resume_from_an_older_step_is_a_new_branch(trained):
+    from launcher.cluster.bootstrap import resume_after_requeue
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
+
+    root, run = trained
+    before = steps(run)
+    assert before == [1, 2, 3, 4]
+    p = launch(root, "+resume=step_2", "grpo.max_num_steps=3", "checkpointing.save_period=1",
+               "checkpointing.keep_top_k=1", "optim.override_opt_param_scheduler=true")
+    assert "starts a new branch" in p.stderr
+    (branch,) = (run / "checkpoints" / "abandoned").iterdir()
+    assert branch.name.endswith("-from-step_2") and [c.name for c in branch.iterdir()] == ["step_4"]
+    moved = (run / "abandoned" / branch.name / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in moved] == [3, 4]     # the old history, kept aside
+    assert steps(run) == [1, 2, 3]                                # one history: the branch's
+    kept = sorted(c.name for c in (run / "checkpoints").iterdir())
+    assert "step_3" in kept and "step_4" not in kept              # the branch's checkpoint survives retention
+    # a requeue or retry of this run continues the branch, not the abandoned step_4
+    cfg = typed(compose([f"run.root={root}", *COMMON, "+resume=step_2"]))
+    assert resume_after_requeue(cfg, run) == str(run / "checkpoints" / "step_3")

@@ -1,0 +1,68 @@
+"""Branch-safe resume on the local Slurm cluster (docs/security.md): +resume=step_2 on a run that
+has step_4 starts a branch (step_4 and its metrics rows moved aside, never deleted); the branch's
+job is preempted, requeues itself and resumes from the branch's own newest checkpoint, not from
+the abandoned step_4; metrics.jsonl holds one history."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+PY = sys.executable
+COMMON = ["topology=slurm_3n", "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false"]
+
+
+def steps_logged(run: Path) -> list[int]:
+    f = run / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in f.read_text().splitlines()] if f.exists() else []
+
+
+def submit(root: Path, *overrides: str) -> tuple[str, subprocess.CompletedProcess]:
+    p = subprocess.run([PY, "-m", "launcher", f"run.root={root}", *COMMON, *overrides],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return re.search(r"submitted job (\d+)", p.stdout).group(1), p
+
+
+def log_of(run: Path, job: str) -> str:
+    d = run / "submitit" / job
+    return "".join((d / f"{job}_0_log.{e}").read_text() for e in ("out", "err") if (d / f"{job}_0_log.{e}").exists())
+
+
+def test_branch_resume_then_requeue_continues_the_branch(slurm_cluster, tmp_path):
+    run = tmp_path / "slurm_3n-tiny_llama"
+    first, _ = submit(tmp_path, "grpo.max_num_steps=4", "checkpointing.save_period=2", "checkpointing.keep_top_k=null")
+    assert slurm_cluster.wait_job(first, timeout=600) == "COMPLETED", log_of(run, first)[-4000:]
+    assert steps_logged(run) == [1, 2, 3, 4]
+
+    job, p = submit(tmp_path, "+resume=step_2", "grpo.max_num_steps=6", "checkpointing.save_period=1",
+                    "checkpointing.keep_top_k=1", "optim.override_opt_param_scheduler=true")
+    assert "starts a new branch" in p.stderr
+    (branch,) = (run / "checkpoints" / "abandoned").iterdir()
+    assert [c.name for c in branch.iterdir()] == ["step_4"]
+    deadline = time.time() + 420
+    while len(steps_logged(run)) < 3:   # the branch's step 3 is logged (and saved: save_period=1)
+        assert slurm_cluster.sacct_state(job) in (None, "PENDING", "RUNNING"), log_of(run, job)[-3000:]
+        assert time.time() < deadline, log_of(run, job)[-3000:]
+        time.sleep(1)
+    slurm_cluster.run("scancel", job, "--signal", "SIGTERM")   # a preemption, as submitit's _interrupt sends it
+    slurm_cluster.run("scancel", job, "--signal", "USR2")
+    state = slurm_cluster.wait_job(job, timeout=600)
+    text = log_of(run, job)
+    assert state == "COMPLETED", text[-5000:]
+    assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job)
+    resumed = re.findall(r"resumed from (\S+)/step_(\d+) \(", text)   # the submission's, then the requeue's
+    assert len(resumed) == 2 and resumed[0] == (f"{run}/checkpoints", "2"), text[-3000:]
+    assert resumed[1][0] == f"{run}/checkpoints" and int(resumed[1][1]) >= 3, resumed  # the branch's, not abandoned/
+    assert steps_logged(run) == [1, 2, 3, 4, 5, 6]                 # one history, the branch's
+    moved = (run / "abandoned" / branch.name / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in moved] == [3, 4]        # the old one, kept aside
+    assert (branch / "step_4" / "manifest.json").is_file()        # never deleted
+    assert "step_6" in [c.name for c in (run / "checkpoints").iterdir()]
