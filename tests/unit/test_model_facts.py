@@ -138,7 +138,7 @@ def test_unsupported_architectures_name_the_supported_families(tmp_path):
 def test_cli_reads_the_checkpoint_numbers(tmp_path, capsys):
     """model.path alone: no architecture number restated; the dry run plans EP over its experts."""
     d = checkpoint(tmp_path, {**QWEN3_MOE, "num_hidden_layers": 4})
-    rc = main([f"model.path={d}", "topology.train.expert_parallel=1", f"run.root={tmp_path}/runs",
+    rc = main([f"model.path={d}", "refit=merged_delta", f"run.root={tmp_path}/runs",
                "dry_run=true"])
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -177,17 +177,24 @@ def moe_errors(*overrides: str) -> list[str]:
 
 
 def test_tiny_moe_configs_are_valid():
-    assert moe_errors() == []
-    assert moe_errors("topology.train.expert_parallel=2") == []
-    assert moe_errors("topology.train.expert_parallel=2", "refit=adapter") == []
-    assert moe_errors("peft=lora_all_linear", "topology.train.expert_parallel=1", "topology.train.tensor_parallel=1") \
-        == []  # LoRA on experts, merged at EP1: the Bridge's merge is exact there
+    assert moe_errors("refit=merged_delta") == []
+    assert moe_errors("refit=merged_delta", "topology.train.expert_parallel=2") == []
+
+
+def test_moe_refit_modes_vllm_cpu_cannot_load_are_refused():
+    tail = "use refit=merged_delta (exact, it reloads only the LoRA-targeted attention layers)"
+    assert moe_errors("topology.train.expert_parallel=2") == [
+        "refit.mode: merged does not work for the MoE model tiny_qwen3_moe on cpu (reloading an MoE layer corrupts "
+        "vLLM's prepacked CPU expert weights): " + tail]
+    assert moe_errors("refit=adapter") == [
+        "refit.mode: adapter does not work for the MoE model tiny_qwen3_moe on cpu (vLLM runs MoE layers through "
+        "Triton kernels once LoRA is enabled, and CPU has no Triton): " + tail]
 
 
 def test_lora_on_experts_is_refused_where_it_is_not_exact():
     head = ("peft.target_modules: 'linear_fc1', 'linear_fc2' wrap the 4 experts of tiny_qwen3_moe: LoRA on experts "
             "is exact only with refit.mode=merged at topology.train.expert_parallel=1 (")
-    tail = "); LoRA on attention (linear_qkv, linear_proj) works with every refit mode and expert_parallel"
+    tail = "); LoRA on attention (linear_qkv, linear_proj) works at every expert_parallel"
     assert moe_errors("peft=lora_all_linear", "topology.train.expert_parallel=2") == [
         head + "Megatron-Bridge 0.6.2's merged export merges one rank's expert adapter into every expert at "
                "expert_parallel > 1 (docs/moe.md)" + tail]
@@ -199,6 +206,6 @@ def test_lora_on_experts_is_refused_where_it_is_not_exact():
 
 
 def test_expert_parallel_must_divide_the_experts():
-    assert moe_errors("topology.train.expert_parallel=3", "topology.train.tensor_parallel=1",
+    assert moe_errors("refit=merged_delta", "topology.train.expert_parallel=3", "topology.train.tensor_parallel=1",
                       "topology.train.ranks_per_node=3", "grpo.num_prompts_per_step=6") == [
         "topology.train.expert_parallel: must divide model.num_experts = 4, got 3"]
