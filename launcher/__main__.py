@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -340,6 +341,9 @@ def _run_here(cfg, plan, run_dir: Path) -> int:
             log(f"restart {restarts}/{cfg.retry.max_restarts} (retry.max_restarts) from "
                 f"{cfg.resume or 'the beginning (no complete checkpoint yet)'}")
         except KeyboardInterrupt:
+            # a further Ctrl-C while the interpreter exits (Ray's atexit hooks, daemon threads) would end it
+            # by the signal (exit -2) instead of 130: stopping was already asked for
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             print("interrupted: stopped at once (no checkpoint); Ray and vLLM processes are stopped", file=sys.stderr)
             return 130
     if result.get("stopped"):

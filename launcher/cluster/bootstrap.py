@@ -126,9 +126,6 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
     """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.run) with
     `signals` {signal: handler} installed, stop Ray."""
     ctx.startup.append(("launcher: Python, imports, config, run directory", time.time()))
-    if driver is None and cfg.run.job == "grpo":
-        from launcher.driver.startup import warm_imports
-        warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
     ctx.rendezvous.mkdir(parents=True, exist_ok=True)
     os.chmod(ctx.rendezvous, 0o700)
     os.environ.update(auth_env(ctx))  # this process becomes the driver; Ray reads the auth mode at import
@@ -139,6 +136,9 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret)
+    if driver is None and cfg.run.job == "grpo":  # after the auth env and the token: it imports ray
+        from launcher.driver.startup import warm_imports
+        warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
     ip = resolve_ip(ctx.hostnames[0])
     port = cfg.ray.port if cfg.topology.executor == "slurm" else free_port()
     ray_proc = start_ray(ctx, cfg, plan.nodes[0], head_ip=ip, port=port, head=True)

@@ -211,7 +211,8 @@ class CheckpointManager:
             return None
         name = f"{time.strftime('%Y%m%d-%H%M%S')}-from-step_{ckpt.step}"
         aside = self.root / "abandoned" / name
-        aside.mkdir(parents=True, exist_ok=True)
+        if newer:  # (a run killed before its first checkpoint after S has only newer metrics rows)
+            aside.mkdir(parents=True, exist_ok=True)
         for p in newer:
             os.replace(p, aside / p.name)
         if later:

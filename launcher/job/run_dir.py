@@ -118,9 +118,9 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     if cfg.resume is not None:  # before the job can start or requeue: it must see only this branch
         aside = manager.start_branch(ckpt, run_dir)
         if aside is not None:
-            print(f"note: resuming from step {ckpt.step} starts a new branch: the newer checkpoints were moved "
-                  f"to {aside}, later metrics rows to {run_dir / 'abandoned' / aside.name} (nothing deleted)",
-                  file=sys.stderr)
+            moved = f"the newer checkpoints were moved to {aside}, " if aside.is_dir() else ""
+            print(f"note: resuming from step {ckpt.step} starts a new branch: {moved}later metrics rows to "
+                  f"{run_dir / 'abandoned' / aside.name} (nothing deleted)", file=sys.stderr)
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     config_mod.save(resolved(raw, run_dir), run_dir / "config.yaml")
     (run_dir / "plan.txt").write_text(plan.describe() + "\n")
