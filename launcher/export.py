@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import paths
@@ -31,26 +31,19 @@ from launcher.driver import checkpoints
 from launcher.config import compose as config_mod
 from launcher.config import model_facts
 from launcher.config.compose import ConfigError
-from launcher.config.schema import typed
 from launcher.config.validate import VLLM_LORA_RANKS
 from workers.lora.checkpoint import LoraCheckpointError  # torch-free module top
-from workers.lora.export import ExportError, export_adapter  # torch-free module top
+from workers.lora.export import AdapterExport, ExportError, export_adapter  # torch-free module top
 
 
-@dataclass
-class Report:
-    out: Path
+@dataclass(kw_only=True)
+class Report(AdapterExport):
+    """What was written (AdapterExport) and how to serve it."""
+
     base: Path
     name: str
     rank: int
     alpha: float
-    megatron_modules: int
-    hf_modules: int
-    tensors: int
-    target_modules: list[str]
-    bytes_read: int
-    checkpoint_bytes: int
-    skipped: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def vllm_max_lora_rank(self) -> int:
@@ -71,7 +64,7 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
         checkpoints.verify(ckpt)
     except checkpoints.CheckpointError as e:
         raise ExportError(str(e)) from None
-    cfg = typed(config_mod.load(ckpt / "config.yaml"))
+    cfg = config_mod.load_typed(ckpt / "config.yaml")
     step = int(json.loads((ckpt / checkpoints.INFO).read_text())["step"])
     base = Path(base_model).expanduser() if base_model else paths.model_dir(cfg)
     where = "--base-model" if base_model else f"model.path/model.builtin of {ckpt / 'config.yaml'}"
@@ -86,10 +79,8 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
 
     done = export_adapter(ckpt / "trainer", out, base, family=cfg.model.family, dim=cfg.peft.dim,
                           alpha=cfg.peft.alpha, peft_enabled=cfg.peft.enabled, config_file=ckpt / "config.yaml")
-    return Report(out=done.out, base=base, name=name or f"{cfg.run.name}-step{step}", rank=cfg.peft.dim,
-                  alpha=cfg.peft.alpha, megatron_modules=done.megatron_modules, hf_modules=done.hf_modules,
-                  tensors=done.tensors, target_modules=done.target_modules, bytes_read=done.bytes_read,
-                  checkpoint_bytes=done.checkpoint_bytes, skipped=done.skipped)
+    return Report(**vars(done), base=base, name=name or f"{cfg.run.name}-step{step}", rank=cfg.peft.dim,
+                  alpha=cfg.peft.alpha)
 
 
 def _print_report(r: Report) -> None:

@@ -87,7 +87,11 @@ def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
     if experts and not 1 <= topk <= experts:
         raise ConfigError("model.path", f"{cfg_file}: an MoE model needs num_experts_per_tok in "
                                         f"[1, {experts}], got {topk}")
-    facts = ModelFacts(family=family, num_layers=reader.positive("num_hidden_layers"), hidden_size=hidden,
+    # hybrid models (Nemotron-H in transformers 5) list their blocks instead of counting them
+    blocks = hf.get("layers_block_type")
+    layers = (len(blocks) if isinstance(blocks, list) and blocks and hf.get("num_hidden_layers") is None
+              else reader.positive("num_hidden_layers"))
+    facts = ModelFacts(family=family, num_layers=layers, hidden_size=hidden,
                        num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
                        num_experts=experts, moe_router_topk=topk)
     return facts, architectures

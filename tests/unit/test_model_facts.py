@@ -209,3 +209,11 @@ def test_expert_parallel_must_divide_the_experts():
     assert moe_errors("refit=merged_delta", "topology.train.expert_parallel=3", "topology.train.tensor_parallel=1",
                       "topology.train.ranks_per_node=3", "grpo.num_prompts_per_step=6") == [
         "topology.train.expert_parallel: must divide model.num_experts = 4, got 3"]
+
+
+def test_nemotron_h_as_transformers_5_saves_it_counts_its_blocks(tmp_path):
+    """transformers 5 writes Nemotron-H's layers as `layers_block_type` (no num_hidden_layers)."""
+    saved = {k: v for k, v in NEMOTRON_H.items() if k not in ("num_hidden_layers", "hybrid_override_pattern")}
+    saved["layers_block_type"] = ["mamba", "moe", "attention", "mamba", "moe"]
+    facts, _ = model_facts.read(checkpoint(tmp_path, saved))
+    assert facts.num_layers == 5 and facts.family == "nemotron_h" and facts.num_experts == 128
