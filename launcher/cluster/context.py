@@ -65,8 +65,10 @@ def log(msg: str) -> None:
 
 
 def doing(ctx: JobContext) -> str:
-    p = ctx.progress
-    return f" during {p['phase']} at step {p['step']}" if p.get("phase") else ""
+    p = ctx.progress  # a phase before the first step (start-up, resume) has no step yet
+    if not p.get("phase"):
+        return ""
+    return f" during {p['phase']}" + (f" at step {p['step']}" if p.get("step") is not None else "")
 
 
 def check_nodes(ctx: JobContext, plan: plan_mod.Plan) -> None:

@@ -195,7 +195,7 @@ class GrpoRun:
             check_compatible(ckpt.path, cfg)
             info = ckpt.info()
             self.phase("resume")
-            restored = self.trainers.load_state(str(ckpt.path / "trainer"))
+            restored = self.named_failures(self.trainers.load_state, str(ckpt.path / "trainer"))
             step, position = int(info["step"]), int(info["consumed_prompts"])
             log(f"resumed from {ckpt.path} (step {step}, {position} prompts consumed; trainer {restored})")
         metrics = MetricsLogger(self.run_dir, cfg.logging, g.max_num_steps, resumed_step=step)
@@ -247,6 +247,17 @@ class GrpoRun:
         log(("stopped" if stopped else "finished") + f" at step {step}/{g.max_num_steps}\n" + table)
         return {"step": step, "stopped": stopped}
 
+    def named_failures(self, fn, *args):
+        """fn(*args), with a failure (a dead actor, a lost node) said in one line as a StepFailed: a
+        ClusterError, so retry.max_restarts restarts the run after start-up or resume failures too.
+        A user's mistake (ConfigError) stays what it is."""
+        try:
+            return fn(*args)
+        except (StepFailed, ConfigError):
+            raise
+        except Exception as e:  # noqa: BLE001 - named and re-raised
+            raise StepFailed(describe(e, self.ctx, self.plan, self.trainers, self.generators)) from e
+
     def startup_done(self, row: dict) -> None:
         name = f"step {self.ctx.progress['step']} (this run's first)"
         self.startup.mark(name)
@@ -284,7 +295,8 @@ class GrpoRun:
 def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event | None = None) -> dict:
     grpo = GrpoRun(cfg, plan, ctx, stop)
     try:
-        grpo.start()
+        ctx.progress["phase"] = "start-up"
+        grpo.named_failures(grpo.start)
         return grpo.run()
     finally:
         grpo.shutdown()

@@ -1,0 +1,47 @@
+"""Failures before the first step (start-up, resume) are one named line and a ClusterError, so
+retry.max_restarts covers them too; a user's mistake stays a ConfigError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.cluster.context import ClusterError, JobContext, doing
+from launcher.config.schema import ConfigError
+from launcher.driver.failures import StepFailed
+from launcher.driver.grpo import GrpoRun
+
+
+def ctx(**progress) -> JobContext:
+    return JobContext(Path("/tmp/run"), "local-1", 0, 0, ["vm"], progress=dict(progress))
+
+
+def test_a_phase_without_a_step_is_named_without_one():
+    assert doing(ctx()) == ""
+    assert doing(ctx(phase="resume")) == " during resume"   # was KeyError('step')
+    assert doing(ctx(phase="training", step=3)) == " during training at step 3"
+
+
+def _grpo(progress: dict) -> SimpleNamespace:
+    return SimpleNamespace(ctx=ctx(**progress), plan=None, trainers=None, generators=None)
+
+
+def test_a_failure_during_resume_is_a_step_failure_naming_the_phase():
+    def load_state(path):
+        raise RuntimeError("connection to rank 1 lost\nlong traceback text")
+
+    with pytest.raises(StepFailed) as e:
+        GrpoRun.named_failures(_grpo({"phase": "resume"}), load_state, "/ckpt")
+    assert isinstance(e.value, ClusterError)  # what the restart policy retries
+    assert str(e.value) == "RuntimeError during resume: connection to rank 1 lost"
+
+
+def test_a_config_error_is_not_turned_into_a_retry():
+    def start():
+        raise ConfigError("data.train", "no such file")
+
+    with pytest.raises(ConfigError):
+        GrpoRun.named_failures(_grpo({"phase": "start-up"}), start)
+    assert GrpoRun.named_failures(_grpo({}), lambda x: x + 1, 1) == 2
