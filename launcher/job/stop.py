@@ -108,8 +108,12 @@ def running(target: Callable[[threading.Event], None], handlers: dict) -> Iterat
 def stop_and_wait(budget_s: float) -> None:
     """submitit's checkpoint hook on USR2: stop the driver at the end of its step, wait for the save."""
     running_now = CURRENT
-    if running_now is not None and request_stop("USR2: checkpointing at the end of this step, then requeueing"):
-        running_now.thread.join(timeout=budget_s)
+    if running_now is None:
+        return
+    request_stop("USR2: checkpointing at the end of this step, then requeueing")
+    # also when the stop was already asked for (a preemption sends SIGTERM just before USR2):
+    # requeueing before the save has finished would kill the step being checkpointed
+    running_now.thread.join(timeout=budget_s)
 
 
 STOP_FILE = "stop_requested"   # written by `python -m launcher.stop`

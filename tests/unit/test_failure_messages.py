@@ -45,3 +45,24 @@ def test_a_config_error_is_not_turned_into_a_retry():
     with pytest.raises(ConfigError):
         GrpoRun.named_failures(_grpo({"phase": "start-up"}), start)
     assert GrpoRun.named_failures(_grpo({}), lambda x: x + 1, 1) == 2
+
+
+def test_submitits_checkpoint_hook_waits_for_the_save_after_a_sigterm():
+    """A preemption is SIGTERM then USR2: the USR2 hook must wait for the step being saved even
+    though SIGTERM already asked the driver to stop (else the requeue kills the save)."""
+    import time
+
+    from launcher.job import stop
+
+    finished = []
+
+    def driver(stop_event):
+        stop_event.wait(5)
+        time.sleep(0.5)  # the rest of the step and its checkpoint
+        finished.append(time.time())
+
+    with stop.running(driver, {}) as current:
+        assert stop.request_stop("SIGTERM: stopping after the current step")  # the preemption's SIGTERM
+        stop.stop_and_wait(budget_s=10)                                      # then submitit's USR2 hook
+        assert finished, "returned before the driver had saved"
+        current.thread.join(1)
