@@ -24,6 +24,7 @@ import inspect
 import math
 import re
 import shutil
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -152,8 +153,13 @@ _FN: Callable | None = None
 _LOAD_ERROR: str | None = None
 
 
-def _init(spec: str, answer_key: str, run_dir: str | None) -> None:
+def _init(spec: str, answer_key: str, run_dir: str | None, ignore_signals: tuple = ()) -> None:
     global _FN, _LOAD_ERROR
+    # Slurm signals every process of the job (preemption SIGTERM, the time-limit USR2): a reward
+    # worker must not die mid-call while the driver finishes its step; the driver ends it (_end)
+    for sig in ignore_signals:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, ignore_signals)  # blocked until now: see Rewards._pool
     try:
         _FN = load(spec, answer_key, Path(run_dir) if run_dir else None)
     except Exception as e:  # noqa: BLE001 - reported on each call (a raising initializer respawns forever)
@@ -195,13 +201,20 @@ class Rewards:
         self._init_args = (r.fn, answer_key, str(run_dir))
         if r.workers == 0:
             _init(*self._init_args)
+        self._init_args += (JOB_SIGNALS,)
 
     def _pool(self):
         if self.pool is None:
             import multiprocessing
 
-            self.pool = multiprocessing.get_context("spawn").Pool(self.r.workers, initializer=_init,
-                                                                  initargs=self._init_args)
+            # blocked while the pool starts: its workers (and the threads that replace them) inherit
+            # the mask, so a signal in a worker's start-up, before _init ignores it, cannot kill it
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+            try:
+                self.pool = multiprocessing.get_context("spawn").Pool(self.r.workers, initializer=_init,
+                                                                      initargs=self._init_args)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             # wait for the workers' imports (the user's module may import a lot) outside any call's timeout
             self.pool.map(_ready, range(self.r.workers), chunksize=1)
         return self.pool
@@ -223,7 +236,7 @@ class Rewards:
                     timed_out = True
                     results.append(("error", f"timed out after {self.r.timeout_s:g}s (reward.timeout_s)", ""))
             if timed_out:  # a worker may still be stuck in the call: start fresh ones next time
-                self.pool.terminate()
+                _end(self.pool)
                 self.pool = None
         rewards, errors = [], 0
         for res, ex in zip(results, examples):
@@ -242,5 +255,25 @@ class Rewards:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.terminate()
+            _end(self.pool)
             self.pool = None
+
+
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # what Slurm sends every process of a job
+
+
+def _end(pool, timeout_s: float = 30.0) -> None:
+    """Pool.terminate() ends workers with SIGTERM, which they ignore (see _init): SIGKILL them while
+    terminate() (which also stops the pool from replacing workers) waits for them."""
+    import multiprocessing
+    import threading
+    import time
+
+    t = threading.Thread(target=pool.terminate, name="reward-pool-end", daemon=True)
+    t.start()
+    deadline = time.time() + timeout_s
+    while t.is_alive() and time.time() < deadline:
+        for child in multiprocessing.active_children():
+            if "PoolWorker" in child.name:  # the pool's own naming of its worker processes
+                child.kill()
+        t.join(0.1)

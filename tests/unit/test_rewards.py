@@ -147,3 +147,27 @@ def test_a_slow_import_does_not_count_against_the_call_timeout(tmp_path):
         assert r.score(["a", "b"], examples(["x", "y"])) == ([1.0, 1.0], 0)
     finally:
         r.close()
+
+
+def test_workers_outlive_the_jobs_signals_and_close_still_ends_them(reward_file, tmp_path):
+    """Slurm sends SIGTERM/USR2 to every process of the job: a reward worker lives on (the step
+    being checkpointed still needs it), and close() ends the workers all the same."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    r = rewards.Rewards(Reward(fn=f"{reward_file}:score", workers=2, timeout_s=5), "answer", tmp_path)
+    try:
+        assert r.score(["yes"], examples(["yes"])) == ([1.0], 0)
+        workers = [c for c in multiprocessing.active_children() if "PoolWorker" in c.name]
+        assert len(workers) == 2
+        for w in workers:
+            os.kill(w.pid, signal.SIGUSR2)
+            os.kill(w.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(w.is_alive() for w in workers)
+        assert r.score(["yes", "no"], examples(["yes", "yes"])) == ([1.0, 0.0], 0)
+    finally:
+        r.close()
+    assert not [c for c in multiprocessing.active_children() if "PoolWorker" in c.name]
