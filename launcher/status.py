@@ -22,7 +22,6 @@ from launcher import progress
 
 TERMINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
             "PREEMPTED", "REVOKED", "TIMEOUT", "ENDED"}
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # ------------------------------------------------------------------------------- reading a run
@@ -92,11 +91,10 @@ def local_job(run_dir: Path) -> dict:
 
 def newest_checkpoint(ckpt_root: Path) -> Path | None:
     """The newest step_N with its manifest (written last: the checkpoint is complete)."""
-    from launcher.driver.checkpoints import MANIFEST
+    from launcher.driver.checkpoints import MANIFEST, step_dirs
 
-    found = [(int(m.group(1)), p) for p in (ckpt_root.iterdir() if ckpt_root.is_dir() else [])
-             if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
-    return max(found)[1] if found else None
+    found = [p for _, p in step_dirs(ckpt_root) if (p / MANIFEST).is_file()]
+    return found[-1] if found else None
 
 
 def collect(run_dir: Path, slurm: bool = True) -> dict:

@@ -35,6 +35,12 @@ from launcher.config.schema import Checkpointing, Config
 from launcher.paths import absolute
 
 _STEP = re.compile(r"^step_(\d+)$")
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """The `step_N` folders under `root` (complete or not), oldest first; cheap: nothing is read."""
+    return sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                  if (m := _STEP.match(p.name)) and p.is_dir())
 MANIFEST = "manifest.json"
 INFO = "training_info.json"
 
@@ -163,24 +169,20 @@ class CheckpointManager:
     def complete(self) -> list[Checkpoint]:
         """Complete checkpoints, oldest first."""
         out = []
-        if self.root.is_dir():
-            for p in self.root.iterdir():
-                m = _STEP.match(p.name)
-                if m and p.is_dir():
-                    try:
-                        verify(p)
-                    except CheckpointError:
-                        continue
-                    out.append(Checkpoint(int(m.group(1)), p))
-        return sorted(out, key=lambda c: c.step)
+        for step, p in step_dirs(self.root):
+            try:
+                verify(p)
+            except CheckpointError:
+                continue
+            out.append(Checkpoint(step, p))
+        return out
 
     def resolve(self, spec: str) -> Checkpoint:
         """`latest`, `step_N` or a path -> a complete checkpoint; else a one-line ConfigError."""
         done = self.complete()
         listing = ", ".join(c.path.name for c in done) or "none"
         if spec == "latest":
-            saved = sorted((int(m.group(1)), p) for p in (self.root.iterdir() if self.root.is_dir() else [])
-                           if (m := _STEP.match(p.name)) and p.is_dir())
+            saved = step_dirs(self.root)
             if not saved:
                 raise ConfigError("resume", f"no complete checkpoint in {self.root} to resume from")
             path = saved[-1][1]  # the newest; a damaged newest one is an error, not silently skipped
@@ -201,9 +203,7 @@ class CheckpointManager:
         and the metrics rows after S to `<run dir>/abandoned/<same>/metrics.jsonl` (renames, nothing
         is deleted). Retention and a requeue then only see the branch's own checkpoints. Returns
         the folder the checkpoints went to, or None when nothing was newer."""
-        newer = sorted(p for p in (self.root.iterdir() if self.root.is_dir() else [])
-                       if (m := _STEP.match(p.name)) and p.is_dir() and int(m.group(1)) > ckpt.step
-                       and p.resolve() != ckpt.path.resolve())
+        newer = [p for step, p in step_dirs(self.root) if step > ckpt.step and p.resolve() != ckpt.path.resolve()]
         metrics = run_dir / "metrics.jsonl"
         rows = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
         later = [r for r in rows if _row_step(r) > ckpt.step]
