@@ -2,7 +2,7 @@
 
 `reward.fn` is a built-in (below), `pkg.module:function`, or `path/to/file.py:function`. A file is
 copied into `RUN/reward/` at submission and loaded from there, so a requeued job runs the same
-code. Calls run in a small pool of `reward.workers` spawned processes with a per-call timeout
+code. Calls run in `reward.workers` worker processes (launcher.driver.reward_pool) with a per-call timeout
 (workers=0, for tests, calls it in this process without one); an exception, a timeout or a non-finite value gives 0 for that sample
 with `reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or
 stops the run with one line naming the record with `fail`.
@@ -24,7 +24,6 @@ import inspect
 import math
 import re
 import shutil
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -153,24 +152,16 @@ _FN: Callable | None = None
 _LOAD_ERROR: str | None = None
 
 
-def _init(spec: str, answer_key: str, run_dir: str | None, ignore_signals: tuple = ()) -> None:
+def init_worker(spec: str, answer_key: str, run_dir: str | None) -> None:
+    """In a reward worker (launcher.driver.reward_pool), once: load the function."""
     global _FN, _LOAD_ERROR
-    # Slurm signals every process of the job (preemption SIGTERM, the time-limit USR2): a reward
-    # worker must not die mid-call while the driver finishes its step; the driver ends it (_end)
-    for sig in ignore_signals:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, ignore_signals)  # blocked until now: see Rewards._pool
     try:
         _FN = load(spec, answer_key, Path(run_dir) if run_dir else None)
-    except Exception as e:  # noqa: BLE001 - reported on each call (a raising initializer respawns forever)
+    except Exception as e:  # noqa: BLE001 - reported on each call
         _LOAD_ERROR = f"{type(e).__name__}: {e}"
 
 
-def _ready(_: int) -> bool:
-    return _FN is not None
-
-
-def _call(response: str, example: dict) -> tuple:
+def call(response: str, example: dict) -> tuple:
     """("ok", value) or ("error", one line, traceback)."""
     if _FN is None:
         return ("error", f"reward.fn could not be loaded: {_LOAD_ERROR}", _LOAD_ERROR or "")
@@ -192,7 +183,7 @@ class RewardFailed(Exception):
 
 
 class Rewards:
-    """Scores responses: pool of `reward.workers` spawned processes, per-call timeout, on_error."""
+    """Scores responses: `reward.workers` worker processes (reward_pool), per-call timeout, on_error."""
 
     def __init__(self, r: Reward, answer_key: str, run_dir: Path):
         self.r, self.answer_key, self.run_dir = r, answer_key, Path(run_dir)
@@ -200,44 +191,20 @@ class Rewards:
         self.pool = None
         self._init_args = (r.fn, answer_key, str(run_dir))
         if r.workers == 0:
-            _init(*self._init_args)
-        self._init_args += (JOB_SIGNALS,)
-
-    def _pool(self):
-        if self.pool is None:
-            import multiprocessing
-
-            # blocked while the pool starts: its workers (and the threads that replace them) inherit
-            # the mask, so a signal in a worker's start-up, before _init ignores it, cannot kill it
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
-            try:
-                self.pool = multiprocessing.get_context("spawn").Pool(self.r.workers, initializer=_init,
-                                                                      initargs=self._init_args)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            # wait for the workers' imports (the user's module may import a lot) outside any call's timeout
-            self.pool.map(_ready, range(self.r.workers), chunksize=1)
-        return self.pool
+            init_worker(*self._init_args)
 
     def score(self, responses: list[str], examples: list) -> tuple[list[float], int]:
         """(rewards, errors) for responses[i] of examples[i] (Example objects with .record / .where)."""
+        calls = [(t, ex.record) for t, ex in zip(responses, examples)]
         if self.r.workers == 0:
-            results = [_call(t, ex.record) for t, ex in zip(responses, examples)]
+            results = [call(*c) for c in calls]
         else:
-            import multiprocessing
+            from launcher.driver.reward_pool import WorkerPool
 
-            pool = self._pool()
-            pending = [pool.apply_async(_call, (t, ex.record)) for t, ex in zip(responses, examples)]
-            results, timed_out = [], False
-            for p in pending:
-                try:
-                    results.append(p.get(timeout=self.r.timeout_s))
-                except multiprocessing.TimeoutError:
-                    timed_out = True
-                    results.append(("error", f"timed out after {self.r.timeout_s:g}s (reward.timeout_s)", ""))
-            if timed_out:  # a worker may still be stuck in the call: start fresh ones next time
-                _end(self.pool)
-                self.pool = None
+            if self.pool is None:
+                self.pool = WorkerPool(self.r.workers, self._init_args)
+            results = [("error", f"timed out after {self.r.timeout_s:g}s (reward.timeout_s)", "")
+                       if res == WorkerPool.TIMED_OUT else res for res in self.pool.call_all(calls, self.r.timeout_s)]
         rewards, errors = [], 0
         for res, ex in zip(results, examples):
             if res[0] == "ok":
@@ -255,25 +222,5 @@ class Rewards:
 
     def close(self) -> None:
         if self.pool is not None:
-            _end(self.pool)
+            self.pool.close()
             self.pool = None
-
-
-JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # what Slurm sends every process of a job
-
-
-def _end(pool, timeout_s: float = 30.0) -> None:
-    """Pool.terminate() ends workers with SIGTERM, which they ignore (see _init): SIGKILL them while
-    terminate() (which also stops the pool from replacing workers) waits for them."""
-    import multiprocessing
-    import threading
-    import time
-
-    t = threading.Thread(target=pool.terminate, name="reward-pool-end", daemon=True)
-    t.start()
-    deadline = time.time() + timeout_s
-    while t.is_alive() and time.time() < deadline:
-        for child in multiprocessing.active_children():
-            if "PoolWorker" in child.name:  # the pool's own naming of its worker processes
-                child.kill()
-        t.join(0.1)

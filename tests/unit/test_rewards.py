@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.config.compose import compose
-from launcher.config.schema import ConfigError, Reward, typed
+from launcher.config.schema import Reward, typed
 from launcher.config.validate import validate
 from launcher.driver import data, rewards
 
@@ -149,25 +149,46 @@ def test_a_slow_import_does_not_count_against_the_call_timeout(tmp_path):
         r.close()
 
 
-def test_workers_outlive_the_jobs_signals_and_close_still_ends_them(reward_file, tmp_path):
-    """Slurm sends SIGTERM/USR2 to every process of the job: a reward worker lives on (the step
-    being checkpointed still needs it), and close() ends the workers all the same."""
-    import multiprocessing
+def test_workers_outlive_the_jobs_signals_and_ctrl_c_and_close_still_ends_them(reward_file, tmp_path):
+    """Slurm sends SIGTERM/USR2 to every process of the job, Ctrl-C sends SIGINT to the terminal's
+    process group: a reward worker lives on (the step being checkpointed still needs it), and
+    close() ends the workers all the same, without hanging (multiprocessing.Pool's terminate()
+    blocked on a queue lock held by a killed idle worker)."""
     import os
     import signal
-    import time
+    import threading
 
     r = rewards.Rewards(Reward(fn=f"{reward_file}:score", workers=2, timeout_s=5), "answer", tmp_path)
     try:
         assert r.score(["yes"], examples(["yes"])) == ([1.0], 0)
-        workers = [c for c in multiprocessing.active_children() if "PoolWorker" in c.name]
-        assert len(workers) == 2
-        for w in workers:
-            os.kill(w.pid, signal.SIGUSR2)
-            os.kill(w.pid, signal.SIGTERM)
-        time.sleep(0.5)
-        assert all(w.is_alive() for w in workers)
+        procs = [w.proc for w in r.pool.workers]
+        assert len(procs) == 2
+        for p in procs:
+            for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+                os.kill(p.pid, sig)
         assert r.score(["yes", "no"], examples(["yes", "yes"])) == ([1.0, 0.0], 0)
+        assert all(p.poll() is None for p in procs)
+        assert [w.proc for w in r.pool.workers] == procs  # none was replaced
+    finally:
+        closing = threading.Thread(target=r.close, daemon=True)
+        closing.start()
+        closing.join(20)  # a hang bound, not a timing: close() sends each worker its end message
+    assert not closing.is_alive()
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_a_worker_killed_in_a_call_is_one_error_and_is_replaced(reward_file, tmp_path):
+    import os
+    import signal
+    import threading
+
+    r = rewards.Rewards(Reward(fn=f"{reward_file}:score", workers=1, timeout_s=20), "answer", tmp_path)
+    try:
+        assert r.score(["yes"], examples(["yes"])) == ([1.0], 0)
+        victim = r.pool.workers[0].proc
+        threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL)).start()
+        assert r.score(["a", "yes"], examples(["slow", "yes"])) == ([0.0, 1.0], 1)
+        assert "the reward worker died (exit code -9)" in (tmp_path / "logs" / "reward_errors.log").read_text()
+        assert r.pool.workers[0].proc is not victim
     finally:
         r.close()
-    assert not [c for c in multiprocessing.active_children() if "PoolWorker" in c.name]

@@ -1,0 +1,154 @@
+"""The reward workers: `n` child processes of the driver, each with a pipe of its own, that call
+the user's reward function with a per-call timeout.
+
+Why not multiprocessing.Pool: its workers share one queue lock, held by whichever idle worker
+waits for the next task; a worker killed while waiting (SIGKILL, or Ctrl-C's SIGINT that the
+terminal sends the whole process group) takes the lock with it, and Pool.terminate() then blocks
+forever. Here nothing is shared: a worker is ended by a message or SIGKILL, and a worker past its
+call's timeout is killed and replaced without touching the others.
+
+Signals: Slurm signals every process of the job (preemption SIGTERM, the time-limit USR2) and
+Ctrl-C reaches the foreground process group; a worker must not die mid-call while the driver
+finishes its step, so it ignores them (blocked from its start: the mask survives fork and exec),
+and it exits when the driver's process is gone (its parent changed) or its pipe closes.
+
+Messages are pickled over the worker's own socketpair: only between the driver and the processes
+it started, never read from a file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+
+IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+
+
+class Worker:
+    def __init__(self, init_args: tuple):
+        parent, child = socket.socketpair()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED)  # inherited by the child until it ignores them
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "launcher.driver.reward_pool", str(child.fileno())],
+                                         pass_fds=(child.fileno(),), start_new_session=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send(init_args)
+        self.ready = False
+        self.deadline: float | None = None  # of the call it runs
+        self.index: int | None = None       # which item that call scores
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.conn.close()
+
+    def end(self, timeout_s: float) -> None:
+        try:
+            self.conn.send(None)
+            self.proc.wait(timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+
+class WorkerPool:
+    """`call_all(args_list, timeout_s)` -> [result or TIMED_OUT] in order; `close()`."""
+
+    TIMED_OUT = ("timed out",)
+
+    def __init__(self, n: int, init_args: tuple):
+        self.init_args = init_args
+        self.workers = [Worker(init_args) for _ in range(n)]
+        for w in self.workers:  # the user's module may import a lot: outside any call's timeout
+            self._wait_ready(w)
+
+    def _wait_ready(self, w: Worker) -> None:
+        try:
+            w.conn.recv()  # "ready" after the worker's imports
+        except EOFError:
+            raise RuntimeError(f"a reward worker exited while starting (exit code {w.proc.wait()})") from None
+        w.ready = True
+
+    def call_all(self, args_list: list[tuple], timeout_s: float) -> list:
+        results: list = [None] * len(args_list)
+        todo = list(range(len(args_list)))[::-1]
+        busy: dict[Connection, Worker] = {}
+        while todo or busy:
+            for w in self.workers:
+                if todo and w.deadline is None:
+                    w.index = todo.pop()
+                    w.deadline = time.monotonic() + timeout_s
+                    w.conn.send(args_list[w.index])
+                    busy[w.conn] = w
+            next_deadline = min(w.deadline for w in busy.values())
+            for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
+                w = busy.pop(conn)
+                try:
+                    results[w.index] = conn.recv()
+                except EOFError:  # the worker died in the call (killed, or the function ended its process)
+                    results[w.index] = ("error", f"the reward worker died (exit code {w.proc.wait()})", "")
+                    self._replace(w)
+                    continue
+                w.deadline = None
+            now = time.monotonic()
+            for conn, w in list(busy.items()):
+                if w.deadline is not None and w.deadline <= now:  # stuck in the call: a fresh worker takes over
+                    busy.pop(conn)
+                    results[w.index] = self.TIMED_OUT
+                    self._replace(w)
+        return results
+
+    def _replace(self, w: Worker) -> None:
+        w.kill()
+        fresh = Worker(self.init_args)
+        self._wait_ready(fresh)
+        self.workers[self.workers.index(w)] = fresh
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        for w in self.workers:
+            w.end(timeout_s)
+        self.workers = []
+
+
+# ------------------------------------------------------------------------------------ the worker
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def _serve(fd: int) -> None:
+    for sig in IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    from launcher.driver import rewards
+
+    conn = Connection(fd)
+    rewards.init_worker(*conn.recv())
+    conn.send("ready")
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        conn.send(rewards.call(*msg))
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
