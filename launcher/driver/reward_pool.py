@@ -1,5 +1,6 @@
 """The reward workers: `n` child processes of the driver, each with a pipe of its own, that call
-the user's reward function with a per-call timeout.
+the user's reward function with a per-call timeout. A worker runs `MODULE.init_worker(*init_args)`
+once, then `MODULE.call(*args)` per call (MODULE: launcher.driver.rewards, named by the caller).
 
 Why not multiprocessing.Pool: its workers share one queue lock, held by whichever idle worker
 waits for the next task; a worker killed while waiting (SIGKILL, or Ctrl-C's SIGINT that the
@@ -18,6 +19,7 @@ it started, never read from a file.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -68,9 +70,9 @@ class WorkerPool:
 
     TIMED_OUT = ("timed out",)
 
-    def __init__(self, n: int, init_args: tuple):
-        self.init_args = init_args
-        self.workers = [Worker(init_args) for _ in range(n)]
+    def __init__(self, n: int, module: str, init_args: tuple):
+        self.init_args = (module, init_args)
+        self.workers = [Worker(self.init_args) for _ in range(n)]
         for w in self.workers:  # the user's module may import a lot: outside any call's timeout
             self._wait_ready(w)
 
@@ -135,10 +137,10 @@ def _serve(fd: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    from launcher.driver import rewards
-
     conn = Connection(fd)
-    rewards.init_worker(*conn.recv())
+    module, init_args = conn.recv()
+    target = importlib.import_module(module)
+    target.init_worker(*init_args)
     conn.send("ready")
     while True:
         try:
@@ -147,7 +149,7 @@ def _serve(fd: int) -> None:
             return
         if msg is None:
             return
-        conn.send(rewards.call(*msg))
+        conn.send(target.call(*msg))
 
 
 if __name__ == "__main__":

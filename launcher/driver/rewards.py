@@ -202,7 +202,7 @@ class Rewards:
             from launcher.driver.reward_pool import WorkerPool
 
             if self.pool is None:
-                self.pool = WorkerPool(self.r.workers, self._init_args)
+                self.pool = WorkerPool(self.r.workers, __name__, self._init_args)
             results = [("error", f"timed out after {self.r.timeout_s:g}s (reward.timeout_s)", "")
                        if res == WorkerPool.TIMED_OUT else res for res in self.pool.call_all(calls, self.r.timeout_s)]
         rewards, errors = [], 0
