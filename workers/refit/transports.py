@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from workers.refit.wire import (RefitLayout, RefitPayload, TensorMeta, aligned, kind_of, pack_bucket,
-                                plan_buckets, unpack_bucket, unpack_tensors)
+                                unpack_bucket, unpack_tensors)
 
 BROADCAST_BACKENDS = ("nccl", "gloo")
 
@@ -89,7 +89,6 @@ class RayTransport(_Transport):
         def flush():
             nonlocal pending, pending_end
             if pending:
-                bucket = plan_buckets([m.nbytes for m, _ in pending], bucket_bytes)[0]
                 # one array per tensor, no staging buffer: ray.put copies each once, into the store
                 refs.append(ray.put([_bytes_of(t) for _, t in pending]))
                 pending, pending_end = [], 0

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from workers import hf_checkpoint
+from workers import cpu_shim, hf_checkpoint
 from workers.lora import layout as lora_layout
 from workers.lora.peft import write_peft_adapter
 from workers.refit import wire
@@ -112,6 +112,7 @@ class RefitWorkerExtension:
 
     def _refit_load(self, named, partial: bool) -> None:
         """Only the layers `named` reaches are reloaded and re-processed (see the module docstring)."""
+        cpu_shim.apply_vllm(self._refit_device().type)  # vLLM CPU's MoE reload (see there)
         with _quiet_partial_reload() if partial else contextlib.nullcontext():
             self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
 
