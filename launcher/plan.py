@@ -186,11 +186,8 @@ def trainer_options(plan: Plan, rank: int) -> dict:
 def generator_options(plan: Plan, engine: int) -> dict:
     """The engine actor sits on the engine's first node. On cuda a TP=1 engine runs its one vLLM
     worker in the actor's process and takes that GPU. A TP>1 engine (one node or several, as
-    ultra_6n4g's TP8 over 2 nodes) takes no GPU itself: vLLM's Ray executor then creates its own
-    placement group of TP bundles of one GPU each, the first pinned to the actor's node
-    (`node:<ip>`), and first checks that this node still has a GPU free
-    (vllm/v1/executor/ray_utils.py initialize_ray_cluster). Had the actor reserved the TP GPUs,
-    that group could never be placed on a node with exactly those GPUs."""
+    ultra_6n4g's TP8 over 2 nodes) takes no GPU itself: its vLLM workers take one each, in the
+    placement group of `engine_bundles`, which the actor is started in (its bundle 0)."""
     nodes = plan.engine_nodes(engine)
     workers_here = sum(1 for n in plan.nodes if n.index == nodes[0] for e, _ in n.generation_workers if e == engine)
     opts: dict = {"num_cpus": 0,
@@ -198,3 +195,20 @@ def generator_options(plan: Plan, engine: int) -> dict:
     if plan.device == "cuda" and plan.generation_tp == 1:
         opts["num_gpus"] = 1
     return opts
+
+
+def engine_bundles(plan: Plan, engine: int) -> list[dict] | None:
+    """cuda, TP>1: the placement group a TP>1 engine's actor starts in (bundle 0) and vLLM's Ray
+    executor then takes as its own (it uses the current placement group:
+    vllm/v1/executor/ray_utils.py initialize_ray_cluster): one {GPU: 1} bundle per vLLM worker in
+    tp_rank order, each pinned to the node the plan gives that worker (`node_<i>`); bundle 0 also
+    holds the actor's own resources (generator_options). Unpinned, vLLM would pack its group onto
+    whichever GPUs are free when the engine starts, a training node's included when the trainers
+    (started at the same time) have not claimed theirs yet. None where vLLM makes no group."""
+    if plan.device != "cuda" or plan.generation_tp == 1:
+        return None
+    where = {rank: n.index for n in plan.nodes for e, rank in n.generation_workers if e == engine}
+    bundles: list[dict] = [{"GPU": 1, node_resource(where[rank]): 1} for rank in range(plan.generation_tp)]
+    for key, amount in generator_options(plan, engine)["resources"].items():
+        bundles[0][key] = bundles[0].get(key, 0) + amount
+    return bundles

@@ -69,7 +69,8 @@ class GrpoRun:
         requested, took = time.time(), []
         self.trainers, self.generators = start_together(  # trainer ranks and vLLM engines start at once
             lambda: TrainerGroup(train_cfg, [plan_mod.trainer_options(plan, r) for r in range(plan.train_world)]),
-            lambda: warmed_up(GeneratorGroup(gen_cfg, [plan_mod.generator_options(plan, e) for e in range(plan.engines)]),
+            lambda: warmed_up(GeneratorGroup(gen_cfg, [plan_mod.generator_options(plan, e) for e in range(plan.engines)],
+                                             bundles=[plan_mod.engine_bundles(plan, e) for e in range(plan.engines)]),
                               cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt), seconds=took)
         self.startup.mark("actors up (trainer ranks + vLLM engines)")
         self.startup.parts("actors up (trainer ranks + vLLM engines)",

@@ -1,14 +1,14 @@
 """`run.job=placement_smoke`: one probe actor per trainer rank and vLLM engine, each checked to
 have landed on the node the plan names (the launcher's own health check).
 
-A TP>1 engine on cuda (ultra_6n4g: TP 8 over two nodes) has vLLM workers besides its actor:
-vLLM's Ray executor places them itself, in a placement group of one-GPU bundles whose first
-bundle is pinned to the actor's node, packed onto the GPUs still free
-(vllm/v1/executor/ray_utils.py initialize_ray_cluster), and ranks them actor's node first, then
-nodes with fewer workers, then by IP (ray_executor.py _init_workers_ray). The smoke builds the
-same group while the trainer probes hold their GPUs, as the trainers do in the real run, puts
-one probe in each bundle and checks every (engine, tp_rank) against the plan. It also records
-the GPUs each Ray node offers and checks them against the plan on cuda."""
+A TP>1 engine on cuda (ultra_6n4g: TP 8 over two nodes) has vLLM workers besides its actor: the
+actor starts in bundle 0 of the placement group of plan.engine_bundles (one-GPU bundles pinned to
+the workers' planned nodes), which vLLM's Ray executor takes as its own, one worker per bundle,
+ranked actor's node first, then nodes with fewer workers, then by IP (ray_executor.py
+_init_workers_ray). The smoke makes the same group and puts one probe in each bundle, before the
+trainer probes claim their GPUs (the real run starts both at once: the pinning, not the order,
+must keep the workers off the training nodes), and checks every (engine, tp_rank) against the
+plan. It also records the GPUs each Ray node offers and checks them against the plan on cuda."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from launcher import plan as plan_mod
+from workers.generator.placement import in_placement_group
 
 
 def run(plan: plan_mod.Plan, hostnames: list[str], out: Path) -> dict:
@@ -38,15 +39,36 @@ def run(plan: plan_mod.Plan, hostnames: list[str], out: Path) -> dict:
     t0 = time.time()
     specs = [("train", r, plan.trainer_node(r), plan_mod.trainer_options(plan, r)) for r in range(plan.train_world)]
     specs += [("generation", e, plan.engine_nodes(e)[0], plan_mod.generator_options(plan, e)) for e in range(plan.engines)]
-    # on cuda each probe takes the GPUs its real actor takes: vLLM's workers get what is left
-    actors = [Probe.options(**opts).remote() for _, _, _, opts in specs]
-    infos = ray.get([a.where.remote() for a in actors], timeout=120)
-    groups = []
-    if plan.device == "cuda" and plan.generation_tp > 1:
-        for e in range(plan.engines):
-            engine_info = infos[plan.train_world + e]
-            w_specs, w_actors, w_infos, pg = _vllm_workers(ray, Probe, plan, e, engine_info["ip"])
-            specs, actors, infos, groups = specs + w_specs, actors + w_actors, infos + w_infos, groups + [pg]
+    # the engines (and their vLLM workers' bundles) first, then the trainers: see the docstring
+    groups, engines, worker_specs, worker_actors = [], [], [], []
+    for e in range(plan.engines):
+        opts, bundles = plan_mod.generator_options(plan, e), plan_mod.engine_bundles(plan, e)
+        if bundles:
+            pg, placed = in_placement_group(bundles)
+            groups.append(pg)
+            opts = {**opts, **placed}
+        engines.append(Probe.options(**opts).remote())
+        if bundles:
+            w_specs, w_actors = _vllm_workers(Probe, plan, e, pg)
+            worker_specs, worker_actors = worker_specs + w_specs, worker_actors + w_actors
+    # on cuda each probe takes the GPUs its real actor takes
+    trainers = [Probe.options(**opts).remote() for _, _, _, opts in specs[:plan.train_world]]
+    actors = trainers + engines
+    try:
+        infos = ray.get([a.where.remote() for a in actors], timeout=120)
+        worker_infos = ray.get([a.where.remote() for a in worker_actors], timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        for pg in groups:
+            ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"not every trainer, engine and vLLM worker was placed within 120s; the cluster has "
+                           f"{ray.available_resources()} free") from None
+    for start in range(0, len(worker_specs), max(plan.generation_tp, 1)):  # vLLM's rank order, per engine
+        part = slice(start, start + plan.generation_tp)
+        engine_ip = infos[plan.train_world + start // plan.generation_tp]["ip"]
+        order = _vllm_rank_order(worker_infos[part], engine_ip)
+        worker_actors[part] = [worker_actors[part][b] for b in order]
+        worker_infos[part] = [worker_infos[part][b] for b in order]
+    specs, actors, infos = specs + worker_specs, actors + worker_actors, infos + worker_infos
     report = {"seconds": round(time.time() - t0, 2), "actors": [], "nodes": _ray_nodes(ray, plan, hostnames)}
     wrong = []
     for (role, idx, node, _), info in zip(specs, infos):
@@ -67,30 +89,25 @@ def run(plan: plan_mod.Plan, hostnames: list[str], out: Path) -> dict:
     return report
 
 
-def _vllm_workers(ray, probe, plan: plan_mod.Plan, engine: int, engine_ip: str):
-    """A probe per vLLM worker of a TP>1 engine, placed as vLLM's Ray executor places its workers."""
+def _vllm_workers(probe, plan: plan_mod.Plan, engine: int, pg):
+    """A probe per vLLM worker of a TP>1 engine, one per bundle of its group, as vLLM's Ray executor
+    places its workers (the first tp bundles with a GPU, in bundle order)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundles = [{"GPU": 1.0} for _ in range(plan.generation_tp)]
-    bundles[0][f"node:{engine_ip}"] = 0.001
-    pg = ray.util.placement_group(bundles, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=60)
-    except ray.exceptions.GetTimeoutError:
-        ray.util.remove_placement_group(pg)
-        raise RuntimeError(f"the {len(bundles)} vLLM workers of engine {engine} found no {len(bundles)} free GPUs "
-                           f"packed from the engine's node ({engine_ip}) within 60s") from None
     actors = [probe.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=b)).remote() for b in range(len(bundles))]
-    infos = ray.get([a.where.remote() for a in actors], timeout=120)
-    per_ip = {}
+        placement_group=pg, placement_group_bundle_index=b)).remote() for b in range(plan.generation_tp)]
+    planned = {rank: n.index for n in plan.nodes for e, rank in n.generation_workers if e == engine}
+    return [("vllm_worker", f"{engine}:{rank}", planned[rank], {}) for rank in range(plan.generation_tp)], actors
+
+
+def _vllm_rank_order(infos: list[dict], engine_ip: str) -> list[int]:
+    """vLLM's ranks of the workers in bundles 0..: the engine's node first, then nodes with fewer
+    workers, then by IP (compared as strings)."""
+    per_ip: dict = {}
     for info in infos:
         per_ip[info["ip"]] = per_ip.get(info["ip"], 0) + 1
-    order = sorted(range(len(infos)), key=lambda b: (infos[b]["ip"] != engine_ip, per_ip[infos[b]["ip"]],
-                                                     infos[b]["ip"]))  # vLLM compares the IPs as strings
-    planned = {rank: n.index for n in plan.nodes for e, rank in n.generation_workers if e == engine}
-    specs = [("vllm_worker", f"{engine}:{rank}", planned[rank], {}) for rank in range(len(order))]
-    return specs, [actors[b] for b in order], [infos[b] for b in order], pg
+    return sorted(range(len(infos)), key=lambda b: (infos[b]["ip"] != engine_ip, per_ip[infos[b]["ip"]],
+                                                    infos[b]["ip"]))
 
 
 def _ray_nodes(ray, plan: plan_mod.Plan, hostnames: list[str]) -> list[dict]:

@@ -1,12 +1,14 @@
 """Placement of vLLM engines on cuda, on a real Ray cluster with declared (fake) GPUs.
 
-A TP>1 engine's actor is placed with `plan.generator_options`; then, from inside that actor, the
-placement group vLLM's Ray executor asks for is created exactly as vllm/v1/executor/ray_utils.py
-`initialize_ray_cluster` does without a current placement group: first it requires a GPU still free
-on the actor's node (require_gpu_on_driver), then TP bundles {"GPU": 1}, the first pinned with
-`node:<ip>`, strategy PACK. It must be placed: the actor may not hold the GPUs its executor needs.
-Trainer actors (one GPU each) take the train node's GPUs beside it. Ray runs in a subprocess of its
-own (`ray.init(address="local", num_gpus=...)`: GPUs declared, none needed)."""
+A TP>1 engine's actor starts as GeneratorGroup starts it: `plan.generator_options` inside bundle 0
+of the placement group of `plan.engine_bundles` (workers.generator.placement). From inside the
+actor, vLLM's Ray executor's steps are taken as vllm/v1/executor/ray_utils.py
+`initialize_ray_cluster` (with a current placement group) and ray_executor.py take them: the
+current group is found, it has TP one-GPU bundles, the actor's node is in it, and one worker per
+bundle (num_gpus=1) is placed. The engines start before the trainers (the real run starts both at
+once); the trainers (one GPU each) must still find theirs. Ray runs in a subprocess of its own
+(`ray.init(address="local", num_gpus=...)`: GPUs declared, none needed). The pinning of bundles to
+the planned nodes is checked on the multi-node Slurm cluster (tests/slurm/test_ultra_placement.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys
 import ray
-from ray.util.placement_group import placement_group
 from launcher import plan as P
 from launcher.config.schema import GENERATION_SLOT, TRAIN_SLOT, GenerationRole, Topology, TrainRole
 
@@ -34,7 +35,7 @@ assert not P.check(t), P.check(t)
 plan = P.build(t)
 gen_node = plan.nodes[1]
 # one Ray node standing for the generation node (its GPUs, its role slots) plus the train node's
-# resources: the GPUs are one pool here, so the trainers take theirs first, as on the train node
+# resources: the GPUs are one pool here (which node a bundle is pinned to is not told apart)
 ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False,
          resources={**plan.nodes[0].ray_resources(), **gen_node.ray_resources()})
 
@@ -43,34 +44,45 @@ class Holder:
     def ok(self):
         return ray.get_gpu_ids()
 
-trainers = [Holder.options(**P.trainer_options(plan, r)).remote() for r in range(plan.train_world)]
-ray.get([a.ok.remote() for a in trainers], timeout=60)
-
 @ray.remote
 class Engine:
     def __init__(self, tp):
         self.tp = tp
 
     def vllm_executor_placement(self):
-        # vllm/v1/executor/ray_utils.py initialize_ray_cluster, no current placement group
-        from ray._private.state import available_resources_per_node
-        node_id = ray.get_runtime_context().get_node_id()
-        free_here = available_resources_per_node()[node_id].get("GPU", 0)
-        if free_here < 1:
-            return {"placed": False, "why": f"Current node has no GPU available ({free_here})"}
-        ip = ray.util.get_node_ip_address()
-        specs = [{"GPU": 1.0} for _ in range(self.tp)]
-        specs[0][f"node:{ip}"] = 0.001
-        pg = placement_group(specs, strategy="PACK")
-        ready = pg.wait(timeout_seconds=20)
-        return {"placed": bool(ready), "why": "" if ready else "placement group not ready after 20 s",
-                "gpus_held_by_actor": len(ray.get_gpu_ids())}
+        # vllm/v1/executor/ray_utils.py initialize_ray_cluster with a current placement group
+        from ray.util.placement_group import placement_group_table
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        pg = ray.util.get_current_placement_group()
+        if pg is None:
+            return {"placed": False, "why": "no current placement group: vLLM would make its own"}
+        gpu_bundles = [b for b in pg.bundle_specs if b.get("GPU", 0)]
+        if len(gpu_bundles) < self.tp or any(b["GPU"] > 1 for b in gpu_bundles):
+            return {"placed": False, "why": f"bundles {pg.bundle_specs}"}
+        me = ray.get_runtime_context().get_node_id()
+        if me not in placement_group_table(pg)["bundles_to_node_id"].values():
+            return {"placed": False, "why": "the actor's node is not in its group"}
+        # ray_executor.py: the first tp bundles with a GPU, one worker each
+        workers = [Holder.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=b, placement_group_capture_child_tasks=True)).remote()
+            for b in range(self.tp)]
+        gpus = ray.get([w.ok.remote() for w in workers], timeout=30)
+        return {"placed": True, "why": "", "gpus_held_by_actor": len(ray.get_gpu_ids()),
+                "worker_gpus": sorted(g for w in gpus for g in w)}
 
+from workers.generator.placement import in_placement_group
 opts = [P.generator_options(plan, e) for e in range(plan.engines)]
-engines = [Engine.options(**o).remote(plan.generation_tp) for o in opts]
-# one engine after another, as vLLM engines start (each keeps its group)
+bundles = [P.engine_bundles(plan, e) for e in range(plan.engines)]
+engines = []
+for o, b in zip(opts, bundles):
+    if b:
+        o = {**o, **in_placement_group(b)[1]}
+    engines.append(Engine.options(**o).remote(plan.generation_tp))
+trainers = [Holder.options(**P.trainer_options(plan, r)).remote() for r in range(plan.train_world)]
 out = [ray.get(e.vllm_executor_placement.remote(), timeout=90) for e in engines]
-print("RESULT " + json.dumps({"options": opts, "engines": out}))
+trainer_gpus = ray.get([a.ok.remote() for a in trainers], timeout=60)
+out = {"options": opts, "bundles": bundles, "engines": out, "trainer_gpus": sorted(g for t in trainer_gpus for g in t)}
+print("RESULT " + json.dumps(out))
 ray.shutdown()
 """
 
@@ -86,10 +98,17 @@ def run_case(gen: dict) -> dict:
 @pytest.mark.parametrize("gen", [dict(ranks_per_node=4, engines=1, tensor_parallel=4),
                                  dict(ranks_per_node=4, engines=2, tensor_parallel=2)],
                          ids=["1xTP4", "2xTP2"])
-def test_tp_engine_leaves_its_gpus_to_the_vllm_executor(gen):
+def test_tp_engine_starts_in_the_placement_group_its_vllm_workers_take(gen):
     r = run_case(gen)
     assert all("num_gpus" not in o for o in r["options"]), r["options"]
-    assert r["engines"] == [{"placed": True, "why": "", "gpus_held_by_actor": 0}] * gen["engines"], r
+    assert [len(b) for b in r["bundles"]] == [gen["tensor_parallel"]] * gen["engines"]
+    assert all(set(b) == {"GPU", "node_1"} | ({"generation_slot"} if i == 0 else set())
+               for bs in r["bundles"] for i, b in enumerate(bs))  # pinned to the generation node
+    engines = r["engines"]
+    assert [(e["placed"], e["why"], e["gpus_held_by_actor"]) for e in engines] == [(True, "", 0)] * gen["engines"], r
+    workers = [g for e in engines for g in e["worker_gpus"]]
+    assert len(workers) == 4 and len(r["trainer_gpus"]) == 4  # 8 GPUs, each taken once
+    assert sorted(map(int, workers + r["trainer_gpus"])) == list(range(8))
 
 
 def test_tp1_engine_takes_its_one_gpu():

@@ -65,6 +65,21 @@ def test_ultra_plan_table():
     assert "gb05           generation           -                  0:4 0:5 0:6 0:7                  4" in text
 
 
+def test_a_tp8_engine_over_two_nodes_gets_one_gpu_bundle_per_worker_pinned_to_its_node():
+    _, plan = plan_of("topology=ultra_6n4g")
+    assert plan_mod.engine_bundles(plan, 0) == (
+        [{"GPU": 1, "node_4": 2, "generation_slot": 4}]   # + the engine's actor (generator_options)
+        + [{"GPU": 1, "node_4": 1}] * 3 + [{"GPU": 1, "node_5": 1}] * 4)
+    assert plan_mod.generator_options(plan, 0) == {"num_cpus": 0, "resources": {"generation_slot": 4, "node_4": 1}}
+    for topology in ("local", "slurm_4n"):  # cpu, and TP1 engines: vLLM makes no group
+        _, plan = plan_of(f"topology={topology}")
+        assert all(plan_mod.engine_bundles(plan, e) is None for e in range(plan.engines))
+    _, plan = plan_of("topology=slurm_4n", "topology.device=cuda", "topology.gpus_per_node=2",
+                      "topology.generation.ranks_per_node=2", "topology.generation.tensor_parallel=2",
+                      "topology.generation.engines=2")
+    assert plan_mod.engine_bundles(plan, 1) == [{"GPU": 1, "node_3": 2, "generation_slot": 2}, {"GPU": 1, "node_3": 1}]
+
+
 def test_rendered_sbatch_matches_golden_file():
     cfg, plan = plan_of("topology=ultra_6n4g", "slurm.partition=batch", "slurm.account=llm",
                         "slurm.python=/opt/venv/bin/python", "slurm.setup=[module load cuda/12.8]",

@@ -4,7 +4,9 @@
 plan gives one per engine, e.g. {"resources": {"generation_slot": 1, "node_1": 1}, "num_cpus": 1}).
 `generate` cuts the prompts (and their seeds) into contiguous, nearly equal slices, one per
 engine, runs them concurrently and concatenates the results, so result i belongs to prompt i.
-`apply_refit` hands the same payload to every engine; `open_refit_group` makes every vLLM worker
+`bundles` (plan.engine_bundles, one per engine: None or the placement group of a TP>1 engine on
+cuda) starts that engine's actor in bundle 0 of a group made from them, which vLLM's Ray executor
+then places its workers in (`in_placement_group`). `apply_refit` hands the same payload to every engine; `open_refit_group` makes every vLLM worker
 join trainer rank 0's broadcast group (ranks 1.. in engine order).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from workers.generator.actor import Generation, GeneratorConfig, VllmGenerator
+from workers.generator.placement import in_placement_group
 from workers.refit.transports import BroadcastTransport, RayTransport
 
 
@@ -29,7 +32,8 @@ def split_evenly(n: int, parts: int) -> list[slice]:
 
 class GeneratorGroup:
     def __init__(self, config: GeneratorConfig | Mapping[str, Any], actor_options: Sequence[Mapping[str, Any]],
-                 ready_timeout_s: float | None = None, actor_cls: type = VllmGenerator):
+                 ready_timeout_s: float | None = None, actor_cls: type = VllmGenerator,
+                 bundles: Sequence[list[dict] | None] | None = None):
         """Starts the engines and waits until all are up (at most ready_timeout_s, e.g. when the
         cluster lacks the resources the options ask for; None waits forever). actor_cls: VllmGenerator
         or a subclass of it (tests add methods to inspect the engine)."""
@@ -39,7 +43,14 @@ class GeneratorGroup:
             raise ValueError("GeneratorGroup needs one .options() dict per engine")
         self.config = config if isinstance(config, GeneratorConfig) else GeneratorConfig(**config)
         remote_cls = ray.remote(actor_cls)
-        self.actors = [remote_cls.options(**dict(opts)).remote(self.config) for opts in actor_options]
+        self.groups, self.actors = [], []
+        for opts, engine_bundles in zip(actor_options, bundles or [None] * len(actor_options)):
+            opts = dict(opts)
+            if engine_bundles:
+                pg, placed = in_placement_group(engine_bundles)
+                self.groups.append(pg)
+                opts.update(placed)
+            self.actors.append(remote_cls.options(**opts).remote(self.config))
         try:
             self.infos = ray.get([a.info.remote() for a in self.actors], timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -109,3 +120,6 @@ class GeneratorGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+        for pg in getattr(self, "groups", []):
+            ray.util.remove_placement_group(pg)
+        self.groups = []
