@@ -374,7 +374,13 @@ class MegatronTrainer:
         loaded = state.load_state(directory, rank=self.rank, module=self._module, optimizer=self.optimizer,
                                   layout=self._layout(), device=self.device)
         self.scheduler = self._make_scheduler()  # fresh: load_state_dict adds the saved step count
-        self.scheduler.load_state_dict(loaded["scheduler"])
+        try:
+            self.scheduler.load_state_dict(loaded["scheduler"])
+        except AssertionError as e:  # megatron: "class input value 4 and checkpointvalue 3 for total number ..."
+            raise ValueError(f"the checkpoint's learning-rate schedule differs from this run's ({e}): resume with "
+                             f"the checkpoint's grpo.max_num_steps and optim settings, or set "
+                             f"optim.override_opt_param_scheduler=true (this run's schedule, the saved step "
+                             f"count)") from None
         self.step = int(loaded["trainer"]["step"])
         torch.distributed.barrier()
         return {"step": self.step, "rng_restored": loaded["rng_restored"], "saved_layout": loaded["trainer"]["layout"]}

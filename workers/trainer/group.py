@@ -27,6 +27,16 @@ class TrainerGroupError(RuntimeError):
     pass
 
 
+def task_error_line(err) -> str:
+    """The exception a remote call raised, in one line (`Type: message`): str(RayTaskError) begins
+    with a `ray::Class.method() (pid=...)` header and the traceback, and ends with it."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}".strip()
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(err).__name__
+
+
 def split_batch(batch: dict, parts: int) -> list[dict]:
     """Contiguous, as-even-as-possible shards of a batch's sequences (dim 0 of every tensor)."""
     size = batch["input_ids"].shape[0]
@@ -83,7 +93,7 @@ class TrainerGroup:
                 except ray.exceptions.RayActorError as err:
                     raise TrainerGroupError(f"{self._describe(ranks[i])} died: {err}") from err
                 except ray.exceptions.RayTaskError as err:
-                    raise TrainerGroupError(f"{self._describe(ranks[i])} failed: {err}") from err
+                    raise TrainerGroupError(f"{self._describe(ranks[i])} failed: {task_error_line(err)}") from err
         return results
 
     def _call(self, method: str, *args, per_rank_args: Optional[list[tuple]] = None, **kwargs) -> list:

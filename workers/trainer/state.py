@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from workers import cpu_shim
+from workers.trainer.gather import torch_optimizers
 
 # The distributed optimizer (cuda) must save in a format that reshards across TP/DP changes.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
@@ -58,7 +59,7 @@ def save_state(directory: str, *, rank: int, module, optimizer, scheduler, train
     torch.distributed.barrier()
     model_sd = _trainable_sharded_state_dict(module)
     # Before the first step the optimizer has no state (Adam creates it lazily): save none.
-    has_optimizer_state = any(len(s) for s in optimizer.optimizer.state.values())
+    has_optimizer_state = any(len(s) for inner in torch_optimizers(optimizer) for s in inner.state.values())
     state = {"model": model_sd,
              "scheduler": scheduler.state_dict(),
              "trainer": {**trainer_info, "has_optimizer_state": has_optimizer_state},
@@ -97,7 +98,8 @@ def load_state(directory: str, *, rank: int, module, optimizer, layout: dict, de
     if "optimizer" in loaded:
         optimizer.load_state_dict(loaded["optimizer"])
     else:  # saved before the first step: a fresh optimizer
-        optimizer.optimizer.state.clear()
+        for inner in torch_optimizers(optimizer):
+            inner.state.clear()
     same_layout = common["trainer"]["layout"] == layout
     if same_layout:
         load_rng(_rng_path(directory, rank), cpu_shim.is_cpu(device))
