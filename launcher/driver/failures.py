@@ -35,6 +35,11 @@ def describe(e: BaseException, ctx: JobContext, plan: plan_mod.Plan, trainers, g
     cause: BaseException | None = e
     while cause is not None and not isinstance(cause, ray.exceptions.RayActorError):
         cause = cause.__cause__ or cause.__context__
+    if cause is None and isinstance(e, ray.exceptions.RayTaskError):  # a remote call raised: its exception
+        from workers.trainer.group import task_error_line
+
+        where = f" (pid {e.pid}, {e.ip})" if getattr(e, "pid", None) else ""
+        return f"{getattr(e, 'function_name', 'a remote call')}{where} failed{doing(ctx)}: {task_error_line(e)}"
     first = (str(cause or e).strip().splitlines() or [type(e).__name__])[0]
     if isinstance(cause, ray.exceptions.RayActorError):
         who = actor_names(ctx, plan, trainers, generators).get(getattr(cause, "actor_id", None) or "", "an actor")

@@ -22,3 +22,16 @@ def test_without_a_cause_the_last_line_of_the_traceback():
             return "ray::X.f() (pid=1)\nTraceback (most recent call last):\n  File ...\nKeyError: 'w'\n"
 
     assert task_error_line(Opaque()) == "KeyError: 'w'"
+
+
+def test_the_driver_names_the_remote_method_and_its_exception():
+    ray = pytest.importorskip("ray")
+    from launcher.driver import failures
+
+    class Ctx:
+        progress = {"phase": "generation", "step": 3}
+
+    err = ray.exceptions.RayTaskError("VllmGenerator.generate", "Traceback ...\nValueError: bad", ValueError("bad"),
+                                      pid=12, ip="10.0.0.5")
+    assert failures.describe(err, Ctx(), None, None, None) == (
+        "VllmGenerator.generate (pid 12, 10.0.0.5) failed during generation at step 3: ValueError: bad")
