@@ -309,6 +309,10 @@ def test_lora_on_experts_at_ep1_checkpoints_resumes_and_refits_merged_exactly(gr
         again = group.train(with_prev(group, batch))
         assert (again["loss"], again["grad_norm"]) == (first["loss"], first["grad_norm"])
         assert torch.equal(group.logprobs(batch), after_first)
+        from workers.lora import checkpoint as lora_checkpoint  # the exporter refuses it in one line
+
+        with pytest.raises(lora_checkpoint.LoraCheckpointError, match="LoRA on MoE experts, which the PEFT exporter"):
+            lora_checkpoint.load_lora(lora_checkpoint.scan(tmp_path / "ckpt"))
 
         engine = engines["merged"]
         engine.apply_refit(group.refit_payload("merged", 0.05))

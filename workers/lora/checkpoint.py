@@ -122,6 +122,10 @@ def _per_layer(key: str, tensor) -> dict[str, Any]:
             raise LoraCheckpointError(f"{key}: shape {tuple(tensor.shape)} is not a 2-D LoRA factor")
         return {key: tensor}
     if tensor.dim() != 3:  # e.g. expert adapters carry more leading axes
+        if ".experts." in key:
+            raise LoraCheckpointError(f"{key}: the checkpoint has LoRA on MoE experts, which the PEFT exporter does "
+                                      f"not write yet (docs/moe.md); adapters on attention export (peft.target_modules"
+                                      f"=[linear_qkv, linear_proj])")
         raise LoraCheckpointError(f"{key}: shape {tuple(tensor.shape)} is not [layers, rows, cols] "
                                   "(only dense-layer LoRA can be exported)")
     head, tail = key.split("layers.", 1)
