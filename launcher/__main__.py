@@ -225,7 +225,7 @@ def _multirun(overrides: list[str], opts: Options) -> int:
         return 0
     for p, r in zip(points, runs):  # refusals (a run that already holds checkpoints...) before any submission
         try:
-            run_dir_mod.prepare(r.cfg, r.raw, r.plan, r.run_dir, r.spec)
+            run_dir_mod.prepare(r.cfg, r.raw, r.plan, r.run_dir, r.spec, runs_here=False)
         except ConfigError as e:
             print(f"error: point {p.index} ({p.label()}): {e}", file=sys.stderr)
             print("error: nothing was submitted", file=sys.stderr)

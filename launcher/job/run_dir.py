@@ -92,8 +92,47 @@ def _claim(cfg: Config, run_dir: Path, ckpts: Path) -> None:
                                                    f"run.name=<new name>")
 
 
-def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, spec: sbatch.JobSpec | None) -> None:
-    """Check the run directory may be used, then write config.yaml, plan.txt and ray_job.sbatch."""
+IN_USE = ".in_use"  # flock'ed by the process of a local run while it lives (see hold)
+_HELD: dict[Path, int] = {}  # run directories this process holds: path -> the locked file's fd
+
+
+def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
+    """Refuse a run directory that a local run (a process on this machine) is using: that process
+    holds an exclusive flock on RUN/.in_use for its lifetime, and the kernel lets it go when the
+    process ends, however it ends. `keep`: this process runs the job here and holds it from now on
+    (otherwise the lock is only tried). A Slurm job's use is seen in submissions.jsonl (_claim)."""
+    import fcntl
+    import os
+    import socket
+
+    path = run_dir / IN_USE
+    if run_dir.resolve() in _HELD:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, paths.file_mode(cfg))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            who = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            who = {}
+        os.close(fd)
+        raise ConfigError("run.name", f"{run_dir} is in use by a run on this machine (pid {who.get('pid', '?')} on "
+                                      f"{who.get('host', '?')}, started {who.get('time', '?')}); wait for it, stop "
+                                      f"it (Ctrl-C), or use run.name=<new name>") from None
+    if not keep:
+        os.close(fd)  # unlocks
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
+    _HELD[run_dir.resolve()] = fd
+
+
+def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, spec: sbatch.JobSpec | None,
+            runs_here: bool = True) -> None:
+    """Check the run directory may be used, then write config.yaml, plan.txt and ray_job.sbatch.
+    `runs_here`: a local run's job runs in this process (False: a local sweep's child runs it)."""
     ckpts = checkpoint_dirs(cfg, run_dir)
     _claim(cfg, run_dir, ckpts)
     if cfg.resume is not None:
@@ -114,6 +153,7 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
             # inside (the job's logs, checkpoints, submitit's files) is reachable only through it
     except OSError as e:
         raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
+    hold(cfg, run_dir, keep=runs_here and spec is None and cfg.submit)  # before anything in it changes
     if cfg.resume is not None:  # before the job can start or requeue: it must see only this branch
         aside = manager.start_branch(ckpt, run_dir)
         if aside is not None:

@@ -61,6 +61,11 @@ def test_token_is_required_to_attach(tmp_path):
                                  env={**env, "RAY_AUTH_MODE": "token",
                                       "RAY_AUTH_TOKEN_PATH": str(rendezvous / "token")})
         assert "NODES 1" in allowed.stdout, allowed.stderr[-2000:]
+        # a second launch on the directory of this running local job is refused before writing anything
+        second = subprocess.run([PY, "-m", "launcher", f"run.root={tmp_path}"], capture_output=True, text=True,
+                                timeout=120)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"is in use by a run on this machine (pid {proc.pid} on " in second.stderr, second.stderr
     finally:
         (run / "release").touch()
         out, _ = proc.communicate(timeout=120)
