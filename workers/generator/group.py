@@ -6,8 +6,9 @@ plan gives one per engine, e.g. {"resources": {"generation_slot": 1, "node_1": 1
 engine, runs them concurrently and concatenates the results, so result i belongs to prompt i.
 `bundles` (plan.engine_bundles, one per engine: None or the placement group of a TP>1 engine on
 cuda) starts that engine's actor in bundle 0 of a group made from them, which vLLM's Ray executor
-then places its workers in (`in_placement_group`). `apply_refit` hands the same payload to every engine; `open_refit_group` makes every vLLM worker
-join trainer rank 0's broadcast group (ranks 1.. in engine order).
+then places its workers in (`in_placement_group`). `apply_refit` hands the same payload to every
+engine; `open_refit_group` makes every vLLM worker join trainer rank 0's broadcast group (ranks 1..
+in engine order).
 """
 
 from __future__ import annotations
