@@ -44,7 +44,6 @@ class Worker:
             child.close()
         self.conn = Connection(parent.detach())
         self.conn.send(init_args)
-        self.ready = False
         self.deadline: float | None = None  # of the call it runs
         self.index: int | None = None       # which item that call scores
 
@@ -81,7 +80,6 @@ class WorkerPool:
             w.conn.recv()  # "ready" after the worker's imports
         except EOFError:
             raise RuntimeError(f"a reward worker exited while starting (exit code {w.proc.wait()})") from None
-        w.ready = True
 
     def call_all(self, args_list: list[tuple], timeout_s: float) -> list:
         results: list = [None] * len(args_list)
