@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.preemption import steps_logged
+
 pytestmark = pytest.mark.slurm
 PY = sys.executable
 COMMON = ["topology=slurm_3n", "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false"]
 
-
-def steps_logged(run: Path) -> list[int]:
-    f = run / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in f.read_text().splitlines()] if f.exists() else []
 
 
 def submit(root: Path, *overrides: str) -> tuple[str, subprocess.CompletedProcess]:

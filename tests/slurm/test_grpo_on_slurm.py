@@ -3,23 +3,19 @@ it checkpoints, requeues itself and finishes with no step lost or repeated."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from tests.helpers.preemption import preempt_and_finish, steps_logged
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
 STEPS = 8
 
-
-def steps_logged(run: Path) -> list[int]:
-    f = run / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in f.read_text().splitlines()] if f.exists() else []
 
 
 def test_grpo_job_preempted_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path):
@@ -30,32 +26,7 @@ def test_grpo_job_preempted_checkpoints_requeues_and_finishes(slurm_cluster, tmp
     assert p.returncode == 0, p.stderr
     job = re.search(r"submitted job (\d+)", p.stdout).group(1)
     run = tmp_path / "slurm_3n-tiny_llama"
-    log0 = run / "submitit" / job / f"{job}_0_log.out"
-    deadline = time.time() + 420
-    while len(steps_logged(run)) < 2:  # let it train a little
-        state = slurm_cluster.sacct_state(job)
-        assert state in (None, "PENDING", "RUNNING"), (state, log0.read_text() if log0.exists() else "")
-        assert time.time() < deadline, log0.read_text() if log0.exists() else "no log"
-        time.sleep(1)
-    # what submitit's Job._interrupt() does for a preemption: SIGTERM, then the USR2 it handles
-    slurm_cluster.run("scancel", job, "--signal", "SIGTERM")
-    slurm_cluster.run("scancel", job, "--signal", "USR2")
-    state = slurm_cluster.wait_job(job, timeout=600)
-    text = log0.read_text() + (run / "submitit" / job / f"{job}_0_log.err").read_text()
-    assert state == "COMPLETED", text[-5000:]
-    assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job)
-    # no step lost or repeated: every step logged exactly once, in order
-    assert steps_logged(run) == list(range(1, STEPS + 1)), text[-3000:]
-    m = re.search(r"stopped at step (\d+)/8", text)
-    assert m, text[-3000:]
-    k = int(m.group(1))
-    assert 2 <= k < STEPS
-    assert f"resuming from {run}/checkpoints/step_{k}" in text
-    ckpts = sorted(c.name for c in (run / "checkpoints").iterdir())
-    assert f"step_{k}" in ckpts and f"step_{STEPS}" in ckpts
-    info = json.loads((run / "checkpoints" / f"step_{STEPS}" / "training_info.json").read_text())
-    assert info["consumed_prompts"] == STEPS * 8
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = preempt_and_finish(slurm_cluster, job, run, STEPS, train_timeout=420, finish_timeout=600)
     assert all(r["train/gen_kl_error"] < 1e-5 for r in rows)
 
 
