@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.held_step import HELD_REWARD, release, wait_held
+
 pytestmark = pytest.mark.e2e
 PY = sys.executable
 QUIET = ["logging.tensorboard=false"]
@@ -59,6 +61,10 @@ class Run:
             assert time.time() < deadline
             time.sleep(0.05)
 
+    def ended(self) -> str | None:
+        """None while the launcher runs, else its output's tail."""
+        return None if self.proc.poll() is None else "".join(self.out[-30:] + self.err[-30:])
+
     def finish(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -88,10 +94,11 @@ def test_killed_trainer_rank_ends_the_run_named_within_60s(tmp_path, no_ray_left
 def test_killed_vllm_engine_restarts_from_checkpoint_and_finishes(tmp_path):
     steps = 6
     run = Run(tmp_path, f"grpo.max_num_steps={steps}", "checkpointing.save_period=2", "retry.max_restarts=1",
-              "checkpointing.keep_top_k=null")
+              "checkpointing.keep_top_k=null", *HELD_REWARD)
     pid = int(run.wait_for(r"vLLM engine 0: \S+-pid(\d+)\.log").group(1))
-    run.wait_steps(3)
-    os.kill(pid, signal.SIGKILL)
+    wait_held(run.run_dir, run.ended, timeout=300)
+    os.kill(pid, signal.SIGKILL)  # in step 3 (held_step.HELD_STEP)
+    release(run.run_dir)
     rc = run.finish(timeout=400)
     out, err = "".join(run.out), "".join(run.err)
     assert rc == 0, out[-3000:] + err[-3000:]

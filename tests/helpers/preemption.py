@@ -1,33 +1,45 @@
 """A submitit job on the Slurm test cluster, preempted the way submitit's Job._interrupt() does it
-(SIGTERM, then the USR2 it handles): it must checkpoint, requeue itself once, resume and finish
-with every step logged exactly once."""
+(SIGTERM, then the USR2 it handles) in step HELD_STEP (tests/helpers/held_step.py): it must
+checkpoint, requeue itself once, resume and finish with every step logged exactly once."""
 
 from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
+from tests.helpers.held_step import HELD_STEP, release, steps_logged, wait_held, wait_until
 
-def steps_logged(run: Path) -> list[int]:
-    f = run / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in f.read_text().splitlines()] if f.exists() else []
+
+def job_ended(cluster, job: str, log: Path):
+    """For held_step.wait_until: None while `job` is pending or running, else its state and log tail."""
+    def ended() -> str | None:
+        state = cluster.sacct_state(job)
+        if state in (None, "PENDING", "RUNNING"):
+            return None
+        return f"job {job} is {state}: " + (log.read_text()[-3000:] if log.exists() else "no log")
+    return ended
+
+
+def signal_in_held_step(cluster, job: str, run: Path, log: Path, signals: tuple[str, ...],
+                        timeout: float) -> None:
+    """Once step HELD_STEP is held (a job run with HELD_REWARD), send `signals` to the job's tasks
+    (scancel --signal), wait until task 0's log `log` says it took one (job.stop), then release it."""
+    ended = job_ended(cluster, job, log)
+    wait_held(run, ended, timeout)
+    for sig in signals:
+        cluster.run("scancel", job, "--signal", sig)
+    wait_until("task 0 to take the signal", lambda: re.search(r"\] (SIGTERM|SIGUSR2|USR2): ", log.read_text()),
+               ended, timeout)
+    release(run)
 
 
 def preempt_and_finish(cluster, job: str, run: Path, steps: int, *, train_timeout: float,
                        finish_timeout: float) -> list[dict]:
-    """Preempt `job` (run directory `run`, grpo.max_num_steps=`steps`, 8 prompts per step) once two
-    steps are logged, wait for it to complete, assert the resume; its metrics rows."""
+    """Preempt `job` (run directory `run`, grpo.max_num_steps=`steps`, 8 prompts per step, run with
+    HELD_REWARD) in step HELD_STEP, wait for it to complete, assert the resume; its metrics rows."""
     log0 = run / "submitit" / job / f"{job}_0_log.out"
-    deadline = time.time() + train_timeout
-    while len(steps_logged(run)) < 2:  # let it train a little
-        state = cluster.sacct_state(job)
-        assert state in (None, "PENDING", "RUNNING"), (state, log0.read_text() if log0.exists() else "")
-        assert time.time() < deadline, log0.read_text() if log0.exists() else "no log"
-        time.sleep(1)
-    cluster.run("scancel", job, "--signal", "SIGTERM")
-    cluster.run("scancel", job, "--signal", "USR2")
+    signal_in_held_step(cluster, job, run, log0, ("SIGTERM", "USR2"), train_timeout)
     state = cluster.wait_job(job, timeout=finish_timeout)
     text = log0.read_text() + (run / "submitit" / job / f"{job}_0_log.err").read_text()
     assert state == "COMPLETED", text[-5000:]
@@ -35,9 +47,8 @@ def preempt_and_finish(cluster, job: str, run: Path, steps: int, *, train_timeou
     # no step lost or repeated: every step logged exactly once, in order
     assert steps_logged(run) == list(range(1, steps + 1)), text[-3000:]
     m = re.search(rf"stopped at step (\d+)/{steps}", text)
-    assert m, text[-3000:]
-    k = int(m.group(1))
-    assert 2 <= k < steps
+    assert m and int(m.group(1)) == HELD_STEP, text[-5000:]
+    k = HELD_STEP
     assert f"resuming from {run}/checkpoints/step_{k}" in text
     ckpts = sorted(c.name for c in (run / "checkpoints").iterdir())
     assert f"step_{k}" in ckpts and f"step_{steps}" in ckpts

@@ -9,12 +9,12 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.preemption import steps_logged
+from tests.helpers.held_step import HELD_REWARD, HELD_STEP, steps_logged
+from tests.helpers.preemption import signal_in_held_step
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -41,24 +41,22 @@ def test_branch_resume_then_requeue_continues_the_branch(slurm_cluster, tmp_path
     assert steps_logged(run) == [1, 2, 3, 4]
 
     job, p = submit(tmp_path, "+resume=step_2", "grpo.max_num_steps=6", "checkpointing.save_period=1",
-                    "checkpointing.keep_top_k=1", "optim.override_opt_param_scheduler=true")
+                    "checkpointing.keep_top_k=1", "optim.override_opt_param_scheduler=true", *HELD_REWARD)
     assert "starts a new branch" in p.stderr
     (branch,) = (run / "checkpoints" / "abandoned").iterdir()
     assert [c.name for c in branch.iterdir()] == ["step_4"]
-    deadline = time.time() + 420
-    while len(steps_logged(run)) < 3:   # the branch's step 3 is logged (and saved: save_period=1)
-        assert slurm_cluster.sacct_state(job) in (None, "PENDING", "RUNNING"), log_of(run, job)[-3000:]
-        assert time.time() < deadline, log_of(run, job)[-3000:]
-        time.sleep(1)
-    slurm_cluster.run("scancel", job, "--signal", "SIGTERM")   # a preemption, as submitit's _interrupt sends it
-    slurm_cluster.run("scancel", job, "--signal", "USR2")
+    # a preemption, as submitit's _interrupt sends it, in the branch's first step (3: its rewards are
+    # held while two rows, the branch's base, are logged)
+    assert HELD_STEP == 3
+    signal_in_held_step(slurm_cluster, job, run, run / "submitit" / job / f"{job}_0_log.out", ("SIGTERM", "USR2"),
+                        timeout=420)
     state = slurm_cluster.wait_job(job, timeout=600)
     text = log_of(run, job)
     assert state == "COMPLETED", text[-5000:]
     assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job)
     resumed = re.findall(r"resumed from (\S+)/step_(\d+) \(", text)   # the submission's, then the requeue's
     assert len(resumed) == 2 and resumed[0] == (f"{run}/checkpoints", "2"), text[-3000:]
-    assert resumed[1][0] == f"{run}/checkpoints" and int(resumed[1][1]) >= 3, resumed  # the branch's, not abandoned/
+    assert resumed[1] == (f"{run}/checkpoints", "3"), resumed  # the branch's step 3, not abandoned/step_4
     assert steps_logged(run) == [1, 2, 3, 4, 5, 6]                 # one history, the branch's
     moved = (run / "abandoned" / branch.name / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in moved] == [3, 4]        # the old one, kept aside

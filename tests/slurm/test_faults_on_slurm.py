@@ -10,10 +10,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.held_step import HELD_REWARD, release, steps_logged, wait_held
+from tests.helpers.preemption import job_ended
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -23,15 +25,10 @@ STEPS = 8
 def submit(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", f"run.root={tmp_path}",
                         f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=2",
-                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false", *overrides],
+                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false", *HELD_REWARD, *overrides],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     return re.search(r"submitted job (\d+)", p.stdout).group(1), tmp_path / "slurm_3n-tiny_llama"
-
-
-def steps(run: Path) -> list[int]:
-    f = run / "metrics.jsonl"
-    return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.exists() else []
 
 
 def kill_raylet(node: str, job: str) -> None:
@@ -47,14 +44,6 @@ def kill_raylet(node: str, job: str) -> None:
     raise AssertionError(f"no raylet of job {job} on {node}")
 
 
-def wait_steps(slurm_cluster, job: str, run: Path, n: int) -> None:
-    deadline = time.time() + 420
-    while len(steps(run)) < n:
-        assert slurm_cluster.sacct_state(job) in (None, "PENDING", "RUNNING")
-        assert time.time() < deadline
-        time.sleep(0.5)
-
-
 def log_of(run: Path, job: str) -> str:
     d = run / "submitit" / job
     return (d / f"{job}_0_log.out").read_text() + (d / f"{job}_0_log.err").read_text()
@@ -62,8 +51,9 @@ def log_of(run: Path, job: str) -> str:
 
 def test_lost_node_fails_the_job_fast_with_its_name(slurm_cluster, tmp_path):
     job, run = submit(tmp_path)
-    wait_steps(slurm_cluster, job, run, 3)
-    kill_raylet("node3", job)
+    wait_held(run, job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out"), timeout=420)
+    kill_raylet("node3", job)  # in step 3 (held_step.HELD_STEP)
+    release(run)
     state = slurm_cluster.wait_job(job, timeout=60)  # the bound: a lost node ends the job within 60 s
     text = log_of(run, job)
     assert state == "FAILED", text[-3000:]
@@ -74,8 +64,9 @@ def test_lost_node_fails_the_job_fast_with_its_name(slurm_cluster, tmp_path):
 
 def test_lost_node_with_a_restart_resumes_and_finishes(slurm_cluster, tmp_path):
     job, run = submit(tmp_path, "retry.max_restarts=1", "checkpointing.keep_top_k=null")
-    wait_steps(slurm_cluster, job, run, 3)
-    kill_raylet("node3", job)
+    wait_held(run, job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out"), timeout=420)
+    kill_raylet("node3", job)  # in step 3 (held_step.HELD_STEP)
+    release(run)
     state = slurm_cluster.wait_job(job, timeout=600)
     text = log_of(run, job)
     assert state == "COMPLETED", text[-4000:]
@@ -84,7 +75,7 @@ def test_lost_node_with_a_restart_resumes_and_finishes(slurm_cluster, tmp_path):
                      r"node 2 \(node3, generation\) left the Ray cluster", text), text[-4000:]
     assert re.search(r"restart 1/1 \(retry.max_restarts\): requeueing job", text)
     assert re.search(rf"resuming from {run}/checkpoints/step_\d+", text)
-    assert steps(run) == list(range(1, STEPS + 1))
+    assert steps_logged(run) == list(range(1, STEPS + 1))
     assert json.loads((run / "checkpoints" / f"step_{STEPS}" / "training_info.json").read_text())["step"] == STEPS
     failures = [json.loads(x) for x in (run / "failures.jsonl").read_text().splitlines()]
     assert len(failures) == 1 and failures[0]["job"] == job

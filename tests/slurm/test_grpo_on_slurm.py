@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.helpers.preemption import preempt_and_finish, steps_logged
+from tests.helpers.held_step import HELD_REWARD, HELD_STEP, steps_logged
+from tests.helpers.preemption import preempt_and_finish, signal_in_held_step
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -21,7 +21,7 @@ STEPS = 8
 def test_grpo_job_preempted_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path):
     p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", f"run.root={tmp_path}",
                         f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=4", "checkpointing.keep_top_k=null",
-                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false"],
+                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false", *HELD_REWARD],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     job = re.search(r"submitted job (\d+)", p.stdout).group(1)
@@ -33,22 +33,19 @@ def test_grpo_job_preempted_checkpoints_requeues_and_finishes(slurm_cluster, tmp
 def test_plain_sbatch_job_checkpoints_and_requeues_itself_on_the_time_limit_signal(slurm_cluster, tmp_path):
     p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", f"run.root={tmp_path}", "submit=false",
                         f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=100",
-                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false"],
+                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false", *HELD_REWARD],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     run = tmp_path / "slurm_3n-tiny_llama"
     job = slurm_cluster.run("sbatch", "--parsable", str(run / "ray_job.sbatch")).strip().split(";")[0]
     out = run / "logs" / f"sbatch-{job}.out"
-    deadline = time.time() + 420
-    while len(steps_logged(run)) < 2:
-        assert slurm_cluster.sacct_state(job) in (None, "PENDING", "RUNNING"), out.read_text()[-3000:]
-        assert time.time() < deadline
-        time.sleep(1)
-    slurm_cluster.run("scancel", job, "--signal", "USR2")  # what #SBATCH --signal=USR2@N sends before the limit
+    # USR2: what #SBATCH --signal=USR2@N sends before the limit
+    signal_in_held_step(slurm_cluster, job, run, out, ("USR2",), timeout=420)
     state = slurm_cluster.wait_job(job, timeout=600)
     text = out.read_text()
     assert state == "COMPLETED", text[-4000:]
     assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job)
-    k = int(re.search(r"stopped at step (\d+)/8", text).group(1))
+    k = HELD_STEP
+    assert f"stopped at step {k}/{STEPS}" in text, text[-4000:]
     assert f"resuming from {run}/checkpoints/step_{k}" in text
     assert steps_logged(run) == list(range(1, STEPS + 1))

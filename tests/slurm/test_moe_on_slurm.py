@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tests.helpers.held_step import HELD_REWARD
 from tests.helpers.preemption import preempt_and_finish
 
 pytestmark = pytest.mark.slurm
@@ -25,7 +26,7 @@ def test_moe_job_at_ep2_over_two_nodes_preempted_resumes_and_finishes(slurm_clus
                         "topology.train.expert_parallel=2", "refit=merged_delta", f"run.root={tmp_path}",
                         "run.name=moe", f"grpo.max_num_steps={STEPS}", "grpo.max_new_tokens=8",
                         "checkpointing.save_period=3", "checkpointing.keep_top_k=null",
-                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false"],
+                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false", *HELD_REWARD],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     job = re.search(r"submitted job (\d+)", p.stdout).group(1)
