@@ -58,6 +58,12 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
     if ctx.node_index != 0:
         return run_worker(ctx, cfg, plan)
     if ctx.attempt > 0:  # requeued (preemption, time limit, node failure): continue from the latest checkpoint
+        ckpt = latest_checkpoint(cfg, run_dir)
+        if ckpt is not None and cfg.run.job == "grpo" and ckpt.step >= cfg.grpo.max_num_steps:
+            # a signal that came after the last step: start no Ray, no actors
+            log(f"restart {ctx.attempt} of job {ctx.job_id}: nothing to run, the run had finished ({ckpt.path} is "
+                f"at step {ckpt.step}/{cfg.grpo.max_num_steps})")
+            return finished_before(ctx, ckpt.step)
         cfg.resume = resume_after_requeue(cfg, run_dir)
         log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
             (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
@@ -85,11 +91,26 @@ def record_failure(run_dir: Path, job_id: str, error: BaseException) -> int:
     return sum(1 for line in path.read_text().splitlines() if json.loads(line)["job"] == job_id)
 
 
-def resume_after_requeue(cfg: Config, run_dir: Path) -> str | None:
+def latest_checkpoint(cfg: Config, run_dir: Path):
+    """The newest complete checkpoint of the run (a driver.checkpoints.Checkpoint), or None."""
     from launcher.driver.checkpoints import CheckpointManager
 
     done = CheckpointManager(checkpoint_dirs(cfg, run_dir), cfg.checkpointing).complete()
-    return str(done[-1].path) if done else cfg.resume
+    return done[-1] if done else None
+
+
+def resume_after_requeue(cfg: Config, run_dir: Path) -> str | None:
+    """What a restart resumes from: the newest complete checkpoint, else the run's own +resume."""
+    ckpt = latest_checkpoint(cfg, run_dir)
+    return str(ckpt.path) if ckpt is not None else cfg.resume
+
+
+def finished_before(ctx: JobContext, step: int) -> dict:
+    """Task 0 of a requeued job whose run had finished: the other tasks see `done` and end too."""
+    ctx.rendezvous.mkdir(parents=True, exist_ok=True)
+    os.chmod(ctx.rendezvous, 0o700)
+    write_json(ctx.rendezvous / "done", {"ok": True, "error": None})
+    return {"node": ctx.hostname, "role": "head", "result": {"step": step, "stopped": False}}
 
 
 # --------------------------------------------------------------------------------- the driver

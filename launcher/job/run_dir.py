@@ -141,6 +141,10 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
         manager = CheckpointManager(ckpts, cfg.checkpointing)
         ckpt = manager.resolve(cfg.resume)  # a one-line error if unusable
         check_compatible(ckpt.path, cfg)
+        if cfg.run.job == "grpo" and ckpt.step >= cfg.grpo.max_num_steps:  # a job with nothing to do
+            raise ConfigError("grpo.max_num_steps", f"{ckpt.path} is at step {ckpt.step}: the run has done its "
+                                                    f"{cfg.grpo.max_num_steps} steps; to train on, resume with "
+                                                    f"grpo.max_num_steps=N above {ckpt.step}")
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "

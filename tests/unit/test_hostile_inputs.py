@@ -151,6 +151,9 @@ CASES = [
          setup=_ckpt("i", 5, info={"step": float("inf"), "consumed_prompts": 0})),
     Case("sibling-step-infinity-does-not-block", ["run.name=j", "+resume=step_5", *SLURM, "submit=false"], 0, "",
          setup=lambda sb: (_ckpt("j", 5)(sb), _ckpt("j", 7, info={"step": float("inf"), "consumed_prompts": 0})(sb))),
+    Case("resume-a-finished-run", ["run.name=f", "+resume=latest", "grpo.max_num_steps=5", *SLURM, "submit=false"], 2,
+         "grpo.max_num_steps: {root}/f/checkpoints/step_5 is at step 5: the run has done its 5 steps; to train on, "
+         "resume with grpo.max_num_steps=N above 5", setup=_ckpt("f", 5)),
     Case("python-quote", ["slurm.python='/opt/py\"'", "submit=false", *SLURM], 2, "slurm.python: has an unbalanced"),
 ]
 
@@ -336,3 +339,34 @@ def test_dry_run_notes_a_resume_checkpoint_it_cannot_find(sandbox, capsys):
             f"step_2); submission requires it") in out
     assert cli.main(["dry_run=true", f"run.root={sandbox / 'runs'}", "run.name=d", "+resume=step_2"]) == 0
     assert "note: +resume" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_requeue_after_the_last_step_runs_nothing(sandbox, monkeypatch, capsys, node):
+    """A preemption or time-limit signal that came after the last checkpoint requeues the job; the
+    restarted tasks end at once (no Ray, no actors): task 0 says why and writes `done`, which ends
+    the others."""
+    from launcher.cluster import bootstrap
+
+    run = sandbox / "runs" / "f"
+    assert cli.main([*SLURM, "submit=false", "run.name=f", f"run.root={sandbox / 'runs'}",
+                     "grpo.max_num_steps=5"]) == 0
+    _ckpt("f", 5)(sandbox)
+    for k, v in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "3", "SLURM_JOB_NUM_NODES": "3",
+                 "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_RESTART_COUNT": "1", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    if node == 1:  # a worker task of the restarted job sees task 0's `done` and ends without joining
+        monkeypatch.setenv("SLURM_NODEID", "0")
+        monkeypatch.setenv("SLURM_PROCID", "0")
+        bootstrap.run_task(run)
+    monkeypatch.setenv("SLURM_NODEID", str(node))
+    monkeypatch.setenv("SLURM_PROCID", str(node))
+    out = bootstrap.run_task(run)
+    if node == 0:
+        assert out == {"node": "node1", "role": "head", "result": {"step": 5, "stopped": False}}
+        assert f"restart 1 of job 4242: nothing to run, the run had finished ({run}/checkpoints/step_5 is at step 5/5)" \
+            in capsys.readouterr().out
+        assert json.loads((run / "ray" / "4242.1" / "done").read_text()) == {"ok": True, "error": None}
+    else:
+        assert out == {"node": "node2", "role": "worker", "joined": False}
