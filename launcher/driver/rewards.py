@@ -2,9 +2,8 @@
 
 `reward.fn` is a built-in (below), `pkg.module:function`, or `path/to/file.py:function`. A file is
 copied into `RUN/reward/` at submission and loaded from there, so a requeued job runs the same
-code. Calls run in `reward.workers` worker processes (launcher.driver.reward_pool) with a per-call timeout
-(workers=0, for tests, calls it in this process without one); an exception, a timeout or a non-finite value gives 0 for that sample
-with `reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or
+code. Calls run in `reward.workers` worker processes (launcher.driver.reward_pool) with a per-call
+timeout; an exception, a timeout or a non-finite value gives 0 for that sample with `reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or
 stops the run with one line naming the record with `fail`.
 
 Built-ins compare with the record's `data.answer_key` field:
@@ -190,21 +189,16 @@ class Rewards:
         self.log_path = self.run_dir / "logs" / "reward_errors.log"
         self.pool = None
         self._init_args = (r.fn, answer_key, str(run_dir))
-        if r.workers == 0:
-            init_worker(*self._init_args)
 
     def score(self, responses: list[str], examples: list) -> tuple[list[float], int]:
         """(rewards, errors) for responses[i] of examples[i] (Example objects with .record / .where)."""
-        calls = [(t, ex.record) for t, ex in zip(responses, examples)]
-        if self.r.workers == 0:
-            results = [call(*c) for c in calls]
-        else:
-            from launcher.driver.reward_pool import WorkerPool
+        from launcher.driver.reward_pool import WorkerPool
 
-            if self.pool is None:
-                self.pool = WorkerPool(self.r.workers, __name__, self._init_args)
-            results = [("error", f"timed out after {self.r.timeout_s:g}s (reward.timeout_s)", "")
-                       if res == WorkerPool.TIMED_OUT else res for res in self.pool.call_all(calls, self.r.timeout_s)]
+        calls = [(t, ex.record) for t, ex in zip(responses, examples)]
+        if self.pool is None:
+            self.pool = WorkerPool(self.r.workers, __name__, self._init_args)
+        results = [("error", f"timed out after {self.r.timeout_s:g}s (reward.timeout_s)", "")
+                   if res == WorkerPool.TIMED_OUT else res for res in self.pool.call_all(calls, self.r.timeout_s)]
         rewards, errors = [], 0
         for res, ex in zip(results, examples):
             if res[0] == "ok":

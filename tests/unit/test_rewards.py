@@ -96,7 +96,7 @@ def examples(words):
     return [data.Example(i, {"expected": w}, prompt="p", where=f"line {i + 1} of q.jsonl") for i, w in enumerate(words)]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [1, 2])
 def test_errors_score_zero_are_counted_and_the_first_is_logged(reward_file, tmp_path, workers):
     run = tmp_path / "run"
     rewards.copy_into_run(f"{reward_file}:score", run)
@@ -123,9 +123,12 @@ def test_a_timeout_scores_zero_and_the_pool_recovers(reward_file, tmp_path):
 
 
 def test_on_error_fail_names_the_record(reward_file, tmp_path):
-    r = rewards.Rewards(Reward(fn=f"{reward_file}:score", workers=0, on_error="fail"), "answer", tmp_path)
-    with pytest.raises(rewards.RewardFailed) as e:
-        r.score(["yes", "yes"], examples(["yes", "boom"]))
+    r = rewards.Rewards(Reward(fn=f"{reward_file}:score", workers=1, on_error="fail"), "answer", tmp_path)
+    try:
+        with pytest.raises(rewards.RewardFailed) as e:
+            r.score(["yes", "yes"], examples(["yes", "boom"]))
+    finally:
+        r.close()
     assert str(e.value) == (f"reward.fn {reward_file}:score failed on line 2 of q.jsonl: ValueError: no reward for "
                             f"boom (reward.on_error=fail; reward.on_error=zero scores it 0 and goes on)")
 
