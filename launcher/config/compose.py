@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config.schema import Config, ConfigError, typed  # ConfigError: the CLI's error type
+from launcher.config.schema import SCHEMA_SECTIONS, Config, ConfigError, expected, typed  # ConfigError: the CLI's error type
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "optim", "refit", "checkpointing", "slurm")
@@ -27,10 +27,11 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import OmegaConfBaseException, ValidationError
 
     for o in overrides:
         _check_group_choice(o)
+    _register_schema_sections()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name="launcher"):
@@ -41,6 +42,9 @@ def compose(overrides: list[str]) -> DictConfig:
     except MissingConfigException as e:
         raise ConfigError("config", _first_line(e)) from None
     except HydraException as e:
+        cause = e.__cause__
+        if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):  # a schema section's type
+            raise ConfigError(str(cause.full_key), expected(str(cause.full_key), cause.value)) from None
         raise ConfigError(_override_of(e, overrides), _hydra_message(e)) from None
     except OmegaConfBaseException as e:
         raise ConfigError(getattr(e, "full_key", None) or "config", _first_line(e)) from None
@@ -49,6 +53,15 @@ def compose(overrides: list[str]) -> DictConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(str(getattr(e, "full_key", "config")), _first_line(e)) from None
     return cfg
+
+
+def _register_schema_sections() -> None:
+    """conf/config.yaml's `schema/<name>@<name>` defaults: those sections' defaults and types."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for name, node in SCHEMA_SECTIONS.items():
+        store.store(group="schema", name=name, node=node)
 
 
 def _check_group_choice(override: str) -> None:

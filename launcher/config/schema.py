@@ -280,38 +280,50 @@ class Run:
 
 @dataclass
 class Vllm:
-    """Also the defaults of workers.generator.actor.GeneratorConfig (it inherits these fields)."""
+    """`vllm:`; also the defaults of workers.generator.actor.GeneratorConfig (it inherits these
+    fields). conf/config.yaml sets dtype and max_model_len from model.dtype and grpo."""
 
     dtype: str = "float32"
     max_model_len: int = 512
     enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.6       # cuda only
-    kv_cache_memory_bytes: int = 64 * 2**20   # cpu only: small KV cache, fast start
-    max_lora_rank: int = 16                   # adapter refit
+    gpu_memory_utilization: float = 0.6       # GPU only
+    kv_cache_memory_bytes: int = 64 * 2**20   # CPU only: a small KV cache, a fast start
+    max_lora_rank: int = 16                   # refit.mode=adapter; vLLM allows 1,8,16,32,64,128,256,320,512
 
 
 @dataclass
 class RayCfg:
-    port: int = 6379
-    node_manager_port: int = 6800
+    """`ray:`"""
+
+    port: int = 6379                  # GCS port on the head node
+    node_manager_port: int = 6800     # pinned so firewalls can be opened once
     object_manager_port: int = 6801
     min_worker_port: int = 10002
     max_worker_port: int = 10999
-    object_store_mb: int = 256
-    register_timeout_s: float = 120.0
+    object_store_mb: int = 256        # per node
+    register_timeout_s: float = 120.0  # the driver fails, naming the missing nodes, after this
     join_retries: int = 3
 
 
 @dataclass
 class Logging:
-    tensorboard: bool = True
-    wandb_project: Optional[str] = None
+    """`logging:`"""
+
+    tensorboard: bool = True               # <run dir>/tensorboard
+    wandb_project: Optional[str] = None    # set to log to Weights & Biases too (pip install wandb)
     wandb_entity: Optional[str] = None
 
 
 @dataclass
 class Retry:
-    max_restarts: int = 0
+    """`retry:`"""
+
+    max_restarts: int = 0   # after a failure (a dead actor or node), restart from the latest checkpoint up to N times
+
+
+# the sections whose defaults are the schema's alone: conf/config.yaml takes them from here
+# (`schema/<name>@<name>` in its defaults list; launcher.config.compose registers them)
+SCHEMA_SECTIONS = {"vllm": Vllm, "ray": RayCfg, "retry": Retry, "logging": Logging}
 
 
 @dataclass
@@ -380,13 +392,20 @@ def typed(cfg: DictConfig) -> Config:
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+        # as plain data: a section Hydra composed from the schema (SCHEMA_SECTIONS) would otherwise
+        # drop a key added to it with +key=value instead of refusing it
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(OmegaConf.to_container(cfg)))
     except ConfigKeyError as e:
         raise ConfigError(str(e.full_key), "unknown key (check the spelling)") from None
     except OmegaConfBaseException as e:
         key = str(getattr(e, "full_key", "") or "config")
-        raise ConfigError(key, f"expected {_expected_type(key)}, got {getattr(e, 'value', None)!r}") from None
+        raise ConfigError(key, expected(key, getattr(e, "value", None))) from None
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def expected(full_key: str, value: Any) -> str:
+    """What a value of the wrong type at `full_key` gets said: 'expected integer, got 'abc''."""
+    return f"expected {_expected_type(full_key)}, got {value!r}"
 
 
 def _expected_type(full_key: str) -> str:

@@ -95,6 +95,11 @@ BAD = [
     (["slurm.time_min=1", "slurm.signal_delay_s=90"],
      "slurm.signal_delay_s: must be in [0, time_min*60) = [0, 60), got 90"),
     (["run.job=train"], "run.job: must be one of grpo, placement_smoke, hold, preflight, got 'train'"),
+    # the sections Hydra takes from the schema (SCHEMA_SECTIONS): the same words as every other key
+    (["vllm.max_lora_rank=abc"], "vllm.max_lora_rank: expected an integer, got 'abc'"),
+    (["logging.tensorboard=maybe"], "logging.tensorboard: expected true or false, got 'maybe'"),
+    (["ray.prot=1"], "ray.prot: unknown key (check the spelling, or use +key=value to add a new key)"),
+    (["+retry.max_restart=1"], "retry.max_restart: unknown key (check the spelling)"),
 ]
 
 
@@ -185,3 +190,26 @@ def test_fresh_run_over_existing_checkpoints_is_refused(tmp_path, capsys):
         f"error: run.name: {run} already holds checkpoints (step_5); continue it with +resume=latest, "
         f"or start fresh with run.name=<new name>\n")
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "keep.txt"]
+
+
+def test_schema_sections_have_their_defaults_in_one_place():
+    """conf/config.yaml holds no value of a SCHEMA_SECTIONS section but interpolations; the composed
+    (and so the saved) config has every key of the schema's section, at the schema's default."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from launcher.config.compose import CONF_DIR
+    from launcher.config.schema import SCHEMA_SECTIONS
+
+    raw = OmegaConf.load(CONF_DIR / "config.yaml")
+    composed = compose([])
+    for name, cls in SCHEMA_SECTIONS.items():
+        in_yaml = raw.get(name) or {}
+        for key in in_yaml:
+            assert OmegaConf.is_interpolation(in_yaml, key), f"conf/config.yaml repeats {name}.{key}"
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        assert list(composed[name]) == list(defaults), name
+        for key, value in defaults.items():
+            if key not in in_yaml:
+                assert composed[name][key] == value, f"{name}.{key}"
