@@ -271,11 +271,15 @@ class Slurm:
 
 @dataclass
 class Run:
+    """`run:`; conf/config.yaml names the run after its topology and model."""
+
     name: str = "run"
-    root: str = "runs"
+    root: str = "runs"                # relative paths are taken from the current directory
     seed: int = 1234
+    # grpo | preflight (check nodes, GPUs, paths, network first) | placement_smoke (check the
+    # cluster) | hold (keep the cluster up to attach to)
     job: str = "grpo"
-    shared_with_group: bool = False   # run directory 0750/0640 instead of 0700/0600
+    shared_with_group: bool = False   # true: the run directory is readable by your group (0750/0640); else 0700/0600
 
 
 @dataclass
@@ -323,7 +327,7 @@ class Retry:
 
 # the sections whose defaults are the schema's alone: conf/config.yaml takes them from here
 # (`schema/<name>@<name>` in its defaults list; launcher.config.compose registers them)
-SCHEMA_SECTIONS = {"vllm": Vllm, "ray": RayCfg, "retry": Retry, "logging": Logging}
+SCHEMA_SECTIONS = {"run": Run, "vllm": Vllm, "ray": RayCfg, "retry": Retry, "logging": Logging}
 
 
 @dataclass
