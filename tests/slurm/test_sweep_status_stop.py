@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from launcher.sweep import read as read_sweep
+from tests.helpers.held_step import HELD_REWARD, HELD_STEP, release, wait_held, wait_until
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -34,7 +35,7 @@ def driver_log(run: Path, job: str) -> str:
 def test_sweep_submits_one_job_per_point_status_follows_them_stop_ends_one_without_requeue(slurm_cluster, tmp_path):
     p = subprocess.run([PY, "-m", "launcher", "-m", "topology=slurm_2n", f"grpo.max_num_steps=3,{LONG}",
                         "checkpointing.save_period=2", "checkpointing.keep_top_k=null", "logging.tensorboard=false",
-                        f"run.root={tmp_path}"], capture_output=True, text=True, timeout=180)
+                        f"run.root={tmp_path}", *HELD_REWARD], capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     sweep_dir = Path(re.search(r"^sweep (\S+) \(2 point\(s\)", p.stdout, re.M).group(1))
     rows = read_sweep(sweep_dir)
@@ -46,6 +47,7 @@ def test_sweep_submits_one_job_per_point_status_follows_them_stop_ends_one_witho
         assert re.search(rf"^{r['point']}\s.*{r['run_name']}\s+{job}$", p.stdout, re.M), p.stdout
     runs = [Path(r["run_dir"]) for r in rows]
     assert f"follow it: python -m launcher.status {sweep_dir} --watch" in p.stdout
+    release(runs[0])  # the short point runs through; the long one waits in step HELD_STEP (held_step)
 
     # follow both with one command until the long one has a checkpoint
     seen: list[set] = [set(), set()]
@@ -66,18 +68,27 @@ def test_sweep_submits_one_job_per_point_status_follows_them_stop_ends_one_witho
     assert running["seconds_per_step"] > 0 and running["eta_s"] > 0 and running["reward"] is not None
     assert any(log.endswith(f"{jobs[1]}_0_log.out") for log in running["logs"])
 
-    # stop the long one: after its current step and a checkpoint, no requeue
+    # stop the long one while it is held in step HELD_STEP: after that step and a checkpoint, no requeue
+    def ended() -> str | None:
+        state = slurm_cluster.sacct_state(jobs[1])
+        return None if state in (None, "PENDING", "RUNNING") else f"{state}: {driver_log(runs[1], jobs[1])[-3000:]}"
+
+    wait_held(runs[1], ended, timeout=120)
     t0 = time.time()
-    stop = subprocess.run([PY, "-m", "launcher.stop", str(runs[1]), "--timeout", "300"],
-                          capture_output=True, text=True, timeout=360)
+    stop = subprocess.Popen([PY, "-m", "launcher.stop", str(runs[1]), "--timeout", "300"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until("the job to take the stop request", lambda: "stop requested (" in driver_log(runs[1], jobs[1]),
+               ended, timeout=120)
+    release(runs[1])
+    out, err = stop.communicate(timeout=360)
     log1 = driver_log(runs[1], jobs[1])
-    assert stop.returncode == 0, stop.stdout + stop.stderr + log1[-3000:]
-    assert f"asked job {jobs[1]} ({names[1]}, step " in stop.stdout
+    assert stop.returncode == 0, out + err + log1[-3000:]
+    assert f"asked job {jobs[1]} ({names[1]}, step " in out
     m = re.search(rf"job {jobs[1]} stopped at \S+ at step (\d+)/{LONG} \(newest checkpoint (\S+)\); state COMPLETED, "
-                  r"not requeued", stop.stdout)
-    assert m, stop.stdout
+                  r"not requeued", out)
+    assert m, out
     k = int(m.group(1))
-    assert 2 <= k < LONG and m.group(2) == str(runs[1] / "checkpoints" / f"step_{k}")
+    assert k == HELD_STEP and m.group(2) == str(runs[1] / "checkpoints" / f"step_{k}")
     print(f"stop took {time.time() - t0:.0f}s")
     assert "stop requested (python -m launcher.stop" in log1 and "not requeued" in log1
     assert "requeueing" not in log1
