@@ -58,13 +58,15 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
     if ctx.node_index != 0:
         return run_worker(ctx, cfg, plan)
     if ctx.attempt > 0:  # requeued (preemption, time limit, node failure): continue from the latest checkpoint
-        ckpt = latest_checkpoint(cfg, run_dir)
-        if ckpt is not None and cfg.run.job == "grpo" and ckpt.step >= cfg.grpo.max_num_steps:
+        from launcher.driver.checkpoints import nothing_left
+
+        ckpt = latest_checkpoint(cfg, run_dir)  # once: it checksums every checkpoint's files
+        if ckpt is not None and nothing_left(cfg, ckpt.step):
             # a signal that came after the last step: start no Ray, no actors
             log(f"restart {ctx.attempt} of job {ctx.job_id}: nothing to run, the run had finished ({ckpt.path} is "
                 f"at step {ckpt.step}/{cfg.grpo.max_num_steps})")
             return finished_before(ctx, ckpt.step)
-        cfg.resume = resume_after_requeue(cfg, run_dir)
+        cfg.resume = _resume_point(cfg, ckpt)
         log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
             (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
     try:
@@ -101,7 +103,10 @@ def latest_checkpoint(cfg: Config, run_dir: Path):
 
 def resume_after_requeue(cfg: Config, run_dir: Path) -> str | None:
     """What a restart resumes from: the newest complete checkpoint, else the run's own +resume."""
-    ckpt = latest_checkpoint(cfg, run_dir)
+    return _resume_point(cfg, latest_checkpoint(cfg, run_dir))
+
+
+def _resume_point(cfg: Config, ckpt) -> str | None:
     return str(ckpt.path) if ckpt is not None else cfg.resume
 
 

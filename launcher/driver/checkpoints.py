@@ -140,6 +140,11 @@ COMPATIBLE = (("model", ("family", "num_layers", "hidden_size", "num_attention_h
 _PATHS = {("model", "path")}
 
 
+def nothing_left(cfg, step: int) -> bool:
+    """A GRPO run continued from a checkpoint at `step` would run no step (cfg: schema.Config)."""
+    return cfg.run.job == "grpo" and step >= cfg.grpo.max_num_steps
+
+
 def check_compatible(ckpt: Path, cfg) -> None:
     """ConfigError if the checkpoint was written for another model or LoRA shape than `cfg`'s."""
     from launcher.config import compose as config_mod

@@ -3,8 +3,9 @@
 `reward.fn` is a built-in (below), `pkg.module:function`, or `path/to/file.py:function`. A file is
 copied into `RUN/reward/` at submission and loaded from there, so a requeued job runs the same
 code. Calls run in `reward.workers` worker processes (launcher.driver.reward_pool) with a per-call
-timeout; an exception, a timeout or a non-finite value gives 0 for that sample with `reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or
-stops the run with one line naming the record with `fail`.
+timeout; an exception, a timeout or a non-finite value gives 0 for that sample with
+`reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or stops the
+run with one line naming the record with `fail`.
 
 Built-ins compare with the record's `data.answer_key` field:
 - `say_number` / `math_answer`: the two demos' rewards (see launcher.driver.data).

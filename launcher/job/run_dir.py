@@ -136,12 +136,12 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     ckpts = checkpoint_dirs(cfg, run_dir)
     _claim(cfg, run_dir, ckpts)
     if cfg.resume is not None:
-        from launcher.driver.checkpoints import CheckpointManager, check_compatible
+        from launcher.driver.checkpoints import CheckpointManager, check_compatible, nothing_left
 
         manager = CheckpointManager(ckpts, cfg.checkpointing)
         ckpt = manager.resolve(cfg.resume)  # a one-line error if unusable
         check_compatible(ckpt.path, cfg)
-        if cfg.run.job == "grpo" and ckpt.step >= cfg.grpo.max_num_steps:  # a job with nothing to do
+        if nothing_left(cfg, ckpt.step):
             raise ConfigError("grpo.max_num_steps", f"{ckpt.path} is at step {ckpt.step}: the run has done its "
                                                     f"{cfg.grpo.max_num_steps} steps; to train on, resume with "
                                                     f"grpo.max_num_steps=N above {ckpt.step}")

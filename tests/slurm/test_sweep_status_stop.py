@@ -15,6 +15,7 @@ import pytest
 
 from launcher.sweep import read as read_sweep
 from tests.helpers.held_step import HELD_REWARD, HELD_STEP, release, wait_held, wait_until
+from tests.helpers.preemption import job_ended
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -69,10 +70,7 @@ def test_sweep_submits_one_job_per_point_status_follows_them_stop_ends_one_witho
     assert any(log.endswith(f"{jobs[1]}_0_log.out") for log in running["logs"])
 
     # stop the long one while it is held in step HELD_STEP: after that step and a checkpoint, no requeue
-    def ended() -> str | None:
-        state = slurm_cluster.sacct_state(jobs[1])
-        return None if state in (None, "PENDING", "RUNNING") else f"{state}: {driver_log(runs[1], jobs[1])[-3000:]}"
-
+    ended = job_ended(slurm_cluster, jobs[1], runs[1] / "submitit" / jobs[1] / f"{jobs[1]}_0_log.out")
     wait_held(runs[1], ended, timeout=120)
     t0 = time.time()
     stop = subprocess.Popen([PY, "-m", "launcher.stop", str(runs[1]), "--timeout", "300"],
