@@ -27,7 +27,7 @@ from pathlib import Path
 from launcher import plan as plan_mod
 from launcher import progress
 from launcher.cluster.context import ClusterError, JobContext, check_nodes, log
-from launcher.cluster.ray_node import (auth_env, connect, disconnect, fatal_ray_error, free_port, port_open,
+from launcher.cluster.ray_node import (connect, disconnect, driver_env, fatal_ray_error, free_port, port_open,
                                        resolve_ip, start_ray, stop_process_tree, tail, wait_for_nodes, wait_port,
                                        write_json)
 from launcher.config import compose as config_mod
@@ -154,7 +154,7 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
     ctx.startup.append(("launcher: Python, imports, config, run directory", time.time()))
     ctx.rendezvous.mkdir(parents=True, exist_ok=True)
     os.chmod(ctx.rendezvous, 0o700)
-    os.environ.update(auth_env(ctx))  # this process becomes the driver; Ray reads the auth mode at import
+    os.environ.update(driver_env(ctx))  # this process becomes the driver; Ray reads these at import
     token = ctx.rendezvous / "token"
     earlier = ctx.run_dir / "ray" / f"{ctx.job_id}.{ctx.attempt - 1}" / "token"
     # a restart inside this process keeps the job's token: Ray reads it once per process

@@ -20,7 +20,7 @@ from launcher.job import stop
 
 def connect(ctx: JobContext, ip: str, port: int) -> None:
     """Connect this process (the driver) to the job's Ray cluster with the job's token."""
-    os.environ.update(auth_env(ctx))  # before ray is imported: Ray reads the auth mode once
+    os.environ.update(driver_env(ctx))  # before ray is imported: Ray reads both once
     import ray
 
     from launcher.cluster import worker_setup
@@ -76,6 +76,14 @@ def wait_for_nodes(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> None:
 
 def auth_env(ctx: JobContext) -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ctx.rendezvous / "token")}
+
+
+def driver_env(ctx: JobContext) -> dict[str, str]:
+    """The driver process's Ray settings, read when ray is imported: the job's token, and no
+    auto-connect. Without the latter, a Ray call of the abandoned driver thread after the head
+    stopped (a lost node ends the run from the main thread) starts a new local Ray instance on
+    the node, whose processes then keep the task from exiting; with it, the call raises."""
+    return {**auth_env(ctx), "RAY_ENABLE_AUTO_CONNECT": "0"}
 
 
 def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: str, port: int,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -100,8 +101,22 @@ class SlurmCluster:
         return state
 
     def _describe(self, job_id: str) -> str:
-        return (f"squeue={self.squeue_state(job_id)} sacct={self.sacct_state(job_id)}\n"
-                f"{self.run('scontrol', 'show', 'job', str(job_id), check=False)}(logs: {self.log_dir})")
+        shown = self.run("scontrol", "show", "job", str(job_id), check=False)
+        return (f"squeue={self.squeue_state(job_id)} sacct={self.sacct_state(job_id)}\n{shown}"
+                f"{_log_tails(shown)}(logs: {self.log_dir})")
+
+
+def _log_tails(scontrol_text: str, lines: int = 25) -> str:
+    """The last lines of the job's StdOut/StdErr files named by `scontrol show job` (where a CI
+    failure shows what the job was doing; the files are gone with the CI machine)."""
+    out = ""
+    for path in dict.fromkeys(re.findall(r"\bStd(?:Out|Err)=(\S+)", scontrol_text)):
+        try:
+            tail = Path(path).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            continue
+        out += f"--- last {len(tail)} lines of {path}\n" + "\n".join(x[:300] for x in tail) + "\n"
+    return out
 
 
 def _unavailable(reason: str):

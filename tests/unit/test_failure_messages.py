@@ -66,3 +66,21 @@ def test_submitits_checkpoint_hook_waits_for_the_save_after_a_sigterm():
         stop.stop_and_wait(budget_s=10)                                      # then submitit's USR2 hook
         assert finished, "returned before the driver had saved"
         current.thread.join(1)
+
+
+def test_a_ray_call_after_the_driver_disconnected_raises_instead_of_starting_a_local_ray(tmp_path):
+    """A lost node ends the run from the main thread, which stops the head and disconnects while
+    the driver thread may still be in a step: that thread's next Ray call must fail, not start a
+    new local Ray instance on the node (whose processes kept the Slurm task from exiting)."""
+    import os
+    import subprocess
+    import sys
+
+    from launcher.cluster.ray_node import driver_env
+
+    env = {**os.environ, **driver_env(ctx()), "RAY_TMPDIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", "import ray; ray.put(1)"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and "Ray has not been started yet" in p.stderr, p.stderr[-2000:]
+    assert "Started a local Ray instance" not in p.stderr
+    assert not list(tmp_path.iterdir())  # no session directory: nothing was started
