@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import paths
@@ -112,6 +112,7 @@ class Resolved:
     plan: object
     run_dir: Path
     spec: object
+    on_submission: list = field(default_factory=list)  # a dry run's errors that only a submission raises
 
 
 def _resolve(overrides: list[str], printing: bool = False) -> tuple[Resolved | None, list]:
@@ -120,14 +121,17 @@ def _resolve(overrides: list[str], printing: bool = False) -> tuple[Resolved | N
     for note in model_facts.apply(raw):  # a checkpoint here is the source of its own architecture
         print(f"note: {note}", file=sys.stderr)
     cfg = typed(raw)
-    errors = validate(cfg, submitting=not (cfg.dry_run or printing))
+    submitting = not (cfg.dry_run or printing)
+    errors = validate(cfg, submitting=submitting)
     if errors:
         return None, errors
+    # a dry run plans for a cluster whose files may not be here; it says what submitting would refuse
+    later = validate(cfg, submitting=True) if cfg.dry_run and not printing else []
     paths.absolute_config(cfg)  # every path absolute, once, before anything reads it
     plan = plan_mod.build(cfg.topology)
     run_dir = paths.run_dir(cfg)
     spec = sbatch.job_spec(cfg, plan) if cfg.topology.executor == "slurm" else None
-    return Resolved(raw, cfg, plan, run_dir, spec), []
+    return Resolved(raw, cfg, plan, run_dir, spec, later), []
 
 
 def cfg_text(r: Resolved, which: str) -> str:
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(cfg_text(r, opts.cfg))
             return 0
         if cfg.dry_run:
-            _print_dry_run(cfg, r.raw, plan, run_dir, spec)
+            _print_dry_run(r)
             return 0
         run_dir_mod.prepare(cfg, r.raw, plan, run_dir, spec)
     except ConfigError as e:
@@ -219,7 +223,7 @@ def _multirun(overrides: list[str], opts: Options) -> int:
     if first.dry_run:
         for p, r in zip(points, runs):
             print(f"\n######## point {p.index}/{len(points)}: {p.label()} -> run {p.name}")
-            _print_dry_run(r.cfg, r.raw, r.plan, r.run_dir, r.spec)
+            _print_dry_run(r)
         print(f"\n== sweep of {len(points)} point(s) (dry run: nothing written or submitted)")
         print(sweep_mod.table(points, [{"state": "dry run"}] * len(points)))
         return 0
@@ -277,15 +281,16 @@ def _last_line(e: Exception) -> str:
     return str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
 
 
-def _print_dry_run(cfg, raw, plan, run_dir: Path, spec) -> None:
+def _print_dry_run(r: Resolved) -> None:
     from launcher.job.submit import submitit_folder
 
+    cfg, raw, plan, run_dir, spec = r.cfg, r.raw, r.plan, r.run_dir, r.spec
     print(f"== plan: topology {cfg.topology.name} ({cfg.topology.executor}, {len(plan.nodes)} node(s))")
     print(plan.describe())
     print(f"\n== resolved config (would be written to {run_dir}/config.yaml)")
     print(config_mod.to_yaml(run_dir_mod.resolved(raw, run_dir)).rstrip())
-    if cfg.model.path and not Path(cfg.model.path).exists():
-        print(f"\nnote: model.path {cfg.model.path} does not exist on this machine; submission requires it")
+    for e in r.on_submission:  # files that are not on this machine (model, data, reward)
+        print(f"\nnote: a submission from this machine would stop here: {e}")
     if (note := run_dir_mod.resume_note(cfg, run_dir)) is not None:
         print(f"\nnote: {note}")
     if spec is None:

@@ -341,6 +341,22 @@ def test_dry_run_notes_a_resume_checkpoint_it_cannot_find(sandbox, capsys):
     assert "note: +resume" not in capsys.readouterr().out
 
 
+def test_dry_run_notes_each_file_a_submission_would_refuse(sandbox, capsys):
+    """A dry run plans for a cluster whose files may not be here: what submitting would refuse
+    (model, prompts, reward file) is a note each, with the submission's own words."""
+    missing = [f"model.path={sandbox / 'models' / 'm'}", f"data.train={sandbox / 'train.jsonl'}",
+               f"data.validation={sandbox / 'val.csv'}", f"reward.fn={sandbox / 'reward.py'}:score"]
+    common = ["topology=slurm_2n", f"run.root={sandbox / 'runs'}", "run.name=n", *missing]
+    assert cli.main(["dry_run=true", *common]) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert cli.main(["submit=false", *common]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 4 and all(x.startswith("error: ") for x in errors)
+    assert notes == [f"note: a submission from this machine would stop here: {x[len('error: '):]}" for x in errors]
+    assert [x.split(": ")[1] for x in errors] == ["model.path", "reward.fn", "data.train", "data.validation"]
+    assert not (sandbox / "runs" / "n").exists()
+
+
 @pytest.mark.parametrize("node", [0, 1])
 def test_a_requeue_after_the_last_step_runs_nothing(sandbox, monkeypatch, capsys, node):
     """A preemption or time-limit signal that came after the last checkpoint requeues the job; the
