@@ -50,8 +50,14 @@ class Report(AdapterExport):
         return next((r for r in VLLM_LORA_RANKS if r >= self.rank), self.rank)
 
     def serve_command(self) -> str:
-        return (f"vllm serve {self.base} --enable-lora --lora-modules {self.name}={self.out} "
-                f"--max-lora-rank {self.vllm_max_lora_rank}")
+        from workers import hf_checkpoint  # imports torch (the export already did); the module top stays torch-free
+
+        cmd = (f"vllm serve {self.base} --enable-lora --lora-modules {self.name}={self.out} "
+               f"--max-lora-rank {self.vllm_max_lora_rank}")
+        outside = hf_checkpoint.lora_targets_outside_experts(self.base)
+        if outside is not None:  # an MoE base: the experts, which no adapter of ours touches, stay unwrapped
+            cmd += f" --lora-target-modules {' '.join(outside)}"
+        return cmd
 
 
 def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | None = None,

@@ -4,6 +4,7 @@
                            no tensor is read)
 `read_tensors(dir, names)` the named torch tensors; a name matches its other HF spelling too
                            (`workers.lora.layout.hf_name_candidates`: Nemotron-H's `backbone.`/`model.`)
+`lora_targets_outside_experts(dir)`  an MoE checkpoint's linears outside its experts (vLLM's LoRA filter)
 """
 
 from __future__ import annotations
@@ -55,3 +56,19 @@ def weight_shapes_of_file(path: str | Path) -> dict[str, list[int]]:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def lora_targets_outside_experts(model_dir: str) -> list[str] | None:
+    """For a checkpoint with MoE experts: the linears of its layers outside the experts (module
+    suffixes, e.g. q_proj, o_proj, gate), vLLM's deployment-time LoRA filter; None without experts.
+
+    vLLM wraps every LoRA-capable module when LoRA is enabled, MoE experts included, and its LoRA
+    MoE layer runs Triton kernels (none on CPU) even when no adapter touches the experts. Our
+    adapters never do (validation refuses LoRA on experts outside refit.mode=merged), so the
+    experts stay plain vLLM MoE layers. Read from the checkpoint's names, not a table per family.
+    The generator passes it to vLLM; the exporter's `vllm serve` hint names it."""
+    shapes = weight_shapes(model_dir)
+    if not any(".experts." in name for name in shapes):
+        return None
+    return sorted({name[:-len(".weight")].rsplit(".", 1)[-1] for name, shape in shapes.items()
+                   if ".layers." in name and ".experts." not in name and name.endswith(".weight") and len(shape) == 2})

@@ -5,7 +5,8 @@ Groups start from one saved state (the adapters are then the same whatever the l
 logprobs vs HF transformers on the trainer's merged export within 1e-5 at every layout; the same
 GRPO step gives the same loss and logprobs at every layout; a checkpoint saved at EP2 resumes at
 EP1 and the reverse, and resumed at its own layout the next step is bitwise the same; the HF PEFT
-adapter exported from an EP2 checkpoint attaches fully and reproduces the trainer's logprobs; the
+adapter exported from an EP2 checkpoint attaches fully and reproduces the trainer's logprobs, and
+`vllm serve` started with the exporter's hint serves it (PeftModel's logprobs, not the base's); the
 refit modes (merged, merged_delta, adapter) to vLLM give gen_kl_error < 1e-5. Last, the
 Megatron-Bridge defect that validation refuses (merged export with LoRA on experts at EP2) is
 reproduced: when it stops reproducing, the refusal in launcher/config/validate.py can go.
@@ -159,20 +160,55 @@ def test_resume_at_the_same_layout_is_bitwise(groups, batch, tmp_path):
         assert all(torch.equal(before[n], now[n]) for n in before)
 
 
-def test_peft_export_from_an_ep2_checkpoint(groups, batch, model_dir, tmp_path):
-    from peft import PeftModel
-
+@pytest.fixture(scope="module")
+def exported(groups, model_dir, tmp_path_factory):
+    """The EP2 group's adapter (at the first test that asks), written by the PEFT exporter."""
     from workers.lora.export import export_adapter
 
-    ep2 = groups["ep2"]
-    ep2.save_state(tmp_path / "ckpt")
-    result = export_adapter(tmp_path / "ckpt", tmp_path / "adapter", model_dir, family="qwen3_moe", dim=8,
-                            alpha=20, peft_enabled=True, config_file=tmp_path / "config.yaml")
-    assert result.target_modules == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    model = PeftModel.from_pretrained(hf_model(model_dir), str(result.out)).eval()
+    d = tmp_path_factory.mktemp("moe-export")
+    groups["ep2"].save_state(d / "ckpt")
+    return export_adapter(d / "ckpt", d / "adapter", model_dir, family="qwen3_moe", dim=8, alpha=20,
+                          peft_enabled=True, config_file=d / "config.yaml")
+
+
+def test_peft_export_from_an_ep2_checkpoint(groups, exported, batch, model_dir):
+    from peft import PeftModel
+
+    assert exported.target_modules == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    model = PeftModel.from_pretrained(hf_model(model_dir), str(exported.out)).eval()
     lora_layers = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
     assert len(lora_layers) == 2 * 4  # every attention projection of both layers got its adapter
-    assert_close(token_logprobs(model, batch["input_ids"]), ep2.logprobs(batch), "PEFT adapter vs trainer")
+    assert_close(token_logprobs(model, batch["input_ids"]), groups["ep2"].logprobs(batch), "PEFT adapter vs trainer")
+
+
+def test_vllm_serve_with_the_exporters_hint_serves_the_moe_adapter(exported, model_dir, tmp_path):
+    """`vllm serve` as the exporter tells the user (an MoE base: --lora-target-modules leaves the
+    experts out; on CPU, workers.generator.serve's patches): the adapter's prompt logprobs equal
+    PeftModel's, and differ from the base's."""
+    from pathlib import Path
+
+    from peft import PeftModel
+
+    from launcher.export import Report
+    from tests.helpers.vllm_server import post, serve_args, vllm_server
+
+    report = Report(**vars(exported), base=Path(model_dir).resolve(), name="moe-lora", rank=8, alpha=20)
+    args = serve_args(report.serve_command())
+    assert args[args.index("--lora-target-modules") + 1:] == ["gate", "k_proj", "o_proj", "q_proj", "v_proj"]
+    ids = torch.tensor(prompts(1, seed=5)[0] + prompts(1, seed=6)[0])[None]
+    base = token_logprobs(hf_model(model_dir), ids)[0, 1:]
+    peft_ = token_logprobs(PeftModel.from_pretrained(hf_model(model_dir), str(exported.out)).eval(), ids)[0, 1:]
+    with vllm_server(args, tmp_path / "server.log") as (url, _, _):
+        def served(model: str) -> torch.Tensor:
+            r = post(f"{url}/v1/completions", {"model": model, "prompt": ids[0].tolist(), "max_tokens": 1,
+                                               "temperature": 0.0, "prompt_logprobs": 0})
+            rows = r["choices"][0]["prompt_logprobs"][1:]
+            return torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[0, 1:].tolist())])
+
+        with_adapter, without = served("moe-lora"), served(str(report.base))
+    assert_close(with_adapter, peft_, "vllm serve with the adapter vs PeftModel", atol=1e-4)
+    assert_close(without, base, "vllm serve without it vs the base", atol=1e-4)
+    assert (with_adapter - without).abs().max().item() > 1e-2  # the adapter changes what vLLM computes
 
 
 # ---------------------------------------------------------------------------- refit to vLLM (EP2 trainer)

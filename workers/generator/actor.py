@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
 from launcher.config.schema import Vllm
-from workers import cpu_shim
+from workers import cpu_shim, hf_checkpoint
 from workers.refit.transports import BroadcastTransport, RayTransport
 
 EXTENSION = "workers.refit.vllm_extension.RefitWorkerExtension"
@@ -78,27 +78,10 @@ class GeneratorConfig(Vllm):
                 kw["distributed_executor_backend"] = "ray"  # workers may live on other nodes
         if self.enable_lora:
             kw.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
-            outside = lora_targets_outside_experts(self.model)
+            outside = hf_checkpoint.lora_targets_outside_experts(self.model)
             if outside is not None:
                 kw["lora_target_modules"] = outside
         return kw
-
-
-def lora_targets_outside_experts(model_dir: str) -> list[str] | None:
-    """For a checkpoint with MoE experts: the linears of its layers outside the experts (module
-    suffixes, e.g. q_proj, o_proj, gate), vLLM's deployment-time LoRA filter; None without experts.
-
-    vLLM wraps every LoRA-capable module when LoRA is enabled, MoE experts included, and its LoRA
-    MoE layer runs Triton kernels (none on CPU) even when no adapter touches the experts. Our
-    adapters never do (validation refuses LoRA on experts outside refit.mode=merged), so the
-    experts stay plain vLLM MoE layers. Read from the checkpoint's names, not a table per family."""
-    from workers import hf_checkpoint
-
-    shapes = hf_checkpoint.weight_shapes(model_dir)
-    if not any(".experts." in name for name in shapes):
-        return None
-    return sorted({name[:-len(".weight")].rsplit(".", 1)[-1] for name, shape in shapes.items()
-                   if ".layers." in name and ".experts." not in name and name.endswith(".weight") and len(shape) == 2})
 
 
 @dataclass

