@@ -1,8 +1,8 @@
 """What every part inside the job knows about where it runs: the job's identity, its nodes, its
 run directory, and how it reports (`log`, ClusterError naming nodes and logs).
 
-`check_nodes` is the one liveness check: the bootstrap's watch loop and the driver's failure
-messages both use it.
+`check_nodes` is the one liveness check (`check_reports` + `check_alive`): the bootstrap's watch
+loop and the driver's failure messages both use it.
 """
 
 from __future__ import annotations
@@ -72,18 +72,36 @@ def doing(ctx: JobContext) -> str:
 
 
 def check_nodes(ctx: JobContext, plan: plan_mod.Plan) -> None:
-    """Raise ClusterError naming any node that left the cluster (its bootstrap reported it, or
-    Ray no longer lists it alive)."""
+    """Raise ClusterError naming any node that left the cluster: its bootstrap reported it, or Ray no
+    longer lists it alive. Asking Ray blocks while the GCS does not answer (the bootstrap's watch
+    loop asks from a thread of its own: launcher.cluster.bootstrap.NodeQuery)."""
     import ray
 
+    check_reports(ctx, plan)
+    if ray.is_initialized():  # not (or no longer) connected: the reports are all there is
+        check_alive(ctx, plan, alive_resources())
+
+
+def check_reports(ctx: JobContext, plan: plan_mod.Plan) -> None:
+    """Raise ClusterError for a node whose bootstrap reported its Ray gone (failed_node<i>.json)."""
     for report in sorted(ctx.rendezvous.glob("failed_node*.json")):
         r = json.loads(report.read_text())
         node = plan.nodes[r["node_index"]]
         raise ClusterError(f"node {node.index} ({r['host']}, {'+'.join(node.roles)}) left the Ray cluster"
                            f"{doing(ctx)}: {r['reason']} (log: {r['log']})")
-    alive = {key for n in ray.nodes() if n.get("Alive") for key in n.get("Resources", {})}
+
+
+def check_alive(ctx: JobContext, plan: plan_mod.Plan, alive: set[str]) -> None:
+    """Raise ClusterError for a planned node missing from `alive` (an alive_resources() answer)."""
     for node in plan.nodes:
         if plan_mod.node_resource(node.index) not in alive:
             raise ClusterError(f"node {node.index} ({ctx.hostnames[node.index]}, {'+'.join(node.roles)}) is no "
                                f"longer alive in the Ray cluster{doing(ctx)} (log: "
                                f"{ctx.run_dir / 'logs' / f'ray-{ctx.hostnames[node.index]}.log'})")
+
+
+def alive_resources() -> set[str]:
+    """The resource names of the nodes Ray lists alive (each node's `node_resource` among them)."""
+    import ray
+
+    return {key for n in ray.nodes() if n.get("Alive") for key in n.get("Resources", {})}

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from launcher import plan as plan_mod
-from launcher.cluster.context import ClusterError, JobContext, log
+from launcher.cluster.context import ClusterError, JobContext, alive_resources, log
 from launcher.config.schema import Config
 from launcher.job import stop
 
@@ -46,12 +46,10 @@ def disconnect() -> None:
 
 def wait_for_nodes(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> None:
     """Block until every planned node is registered in Ray; fail fast naming the missing ones."""
-    import ray
-
     deadline = time.time() + cfg.ray.register_timeout_s
     t0 = time.time()
     while True:
-        alive = {key for n in ray.nodes() if n.get("Alive") for key in n.get("Resources", {})}
+        alive = alive_resources()
         missing = [n for n in plan.nodes if plan_mod.node_resource(n.index) not in alive]
         fatal = fatal_ray_error(ctx.ray_temp_dir, since=0.0)  # this job attempt's own temp dir
         if fatal:

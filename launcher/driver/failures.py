@@ -39,23 +39,28 @@ def describe(e: BaseException, ctx: JobContext, plan: plan_mod.Plan, trainers, g
         from workers.trainer.group import task_error_line
 
         where = f" (pid {e.pid}, {e.ip})" if getattr(e, "pid", None) else ""
-        return f"{getattr(e, 'function_name', 'a remote call')}{where} failed{doing(ctx)}: {task_error_line(e)}"
+        # a peer's node going makes a collective fail on the ranks that survive: name the node too
+        return (f"{getattr(e, 'function_name', 'a remote call')}{where} failed{doing(ctx)}: {task_error_line(e)}"
+                f"{lost_node(ctx, plan)}")
     first = (str(cause or e).strip().splitlines() or [type(e).__name__])[0]
     if isinstance(cause, ray.exceptions.RayActorError):
         who = actor_names(ctx, plan, trainers, generators).get(getattr(cause, "actor_id", None) or "", "an actor")
         return f"{who} died{doing(ctx)}: {first}{lost_node(ctx, plan)}"
-    return f"{type(e).__name__}{doing(ctx)}: {first}"
+    return f"{type(e).__name__}{doing(ctx)}: {first}{lost_node(ctx, plan)}"  # e.g. TrainerGroupError
 
 
 def lost_node(ctx: JobContext, plan: plan_mod.Plan, wait_s: float = 5.0) -> str:
-    """'; node 2 (node3, generation) left the Ray cluster: ...' when an actor died with its node
-    (its bootstrap reports the node within a second or two), else ''."""
+    """'; node 2 (node3, generation) left the Ray cluster: ...' when an actor died with its node, or
+    a collective failed because a peer's did (its bootstrap reports the node within a second or
+    two), else ''. Not connected to Ray (the main thread ended the run meanwhile): the reports only."""
+    import ray
+
     deadline = time.time() + wait_s
     while True:
         try:
             check_nodes(ctx, plan)
         except ClusterError as e:
             return f"; {str(e).replace(doing(ctx), '')}"
-        if time.time() > deadline:
+        if time.time() > deadline or not ray.is_initialized():
             return ""
         time.sleep(0.5)

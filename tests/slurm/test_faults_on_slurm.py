@@ -32,17 +32,18 @@ def submit(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     return re.search(r"submitted job (\d+)", p.stdout).group(1), tmp_path / "slurm_3n-tiny_llama"
 
 
-def kill_raylet(node: str, job: str) -> None:
+def kill_raylet(node: str, job: str, daemon: str = "raylet") -> None:
+    """SIGKILL the job's Ray `daemon` (raylet, gcs_server) on `node` (in its network namespace)."""
     pids = subprocess.run(["ip", "netns", "pids", f"slt-{node}"], capture_output=True, text=True).stdout.split()
     for pid in pids:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if "raylet" in cmd and f"ray_{job}_" in cmd:
+        if daemon in cmd.split("\0")[0] and f"ray_{job}_" in cmd:
             os.kill(int(pid), signal.SIGKILL)
             return
-    raise AssertionError(f"no raylet of job {job} on {node}")
+    raise AssertionError(f"no {daemon} of job {job} on {node}")
 
 
 def log_of(run: Path, job: str) -> str:
@@ -69,6 +70,22 @@ def test_lost_node_fails_the_job_fast_with_its_name(slurm_cluster, tmp_path):
     assert re.search(r"node 2 \(node3, generation\) left the Ray cluster during \w+ at step 3: this node's Ray "
                      r"stopped", text), text[-3000:]
     assert "Started a local Ray instance" not in text, text[-3000:]
+
+
+def test_the_heads_ray_lost_fails_the_job_fast_naming_the_head(slurm_cluster, tmp_path):
+    """node 0's GCS dies in step 3 (the whole cluster's state: nothing can go on, though the actors'
+    direct calls may finish a step or two): node 0's main thread sees its own `ray start` end and
+    names node 0; it never waits on the dead GCS (bootstrap.NodeQuery); a trainer's collective
+    failing with it says the same node (failures.lost_node)."""
+    job, run = submit(tmp_path)
+    wait_held(run, job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out"), timeout=420)
+    kill_raylet("node1", job, daemon="gcs_server")
+    release(run)
+    state = slurm_cluster.wait_job(job, timeout=60)
+    text = log_of(run, job)
+    assert state == "FAILED", text[-3000:]
+    assert re.search(r"node 0 \(node1, [\w+]+\) left the Ray cluster( during \w+ at step \d+)?: this node's Ray "
+                     r"stopped: `ray start` exited with code", text), text[-3000:]
 
 
 def test_lost_node_with_a_restart_resumes_and_finishes(slurm_cluster, tmp_path):

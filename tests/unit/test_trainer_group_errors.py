@@ -24,14 +24,41 @@ def test_without_a_cause_the_last_line_of_the_traceback():
     assert task_error_line(Opaque()) == "KeyError: 'w'"
 
 
-def test_the_driver_names_the_remote_method_and_its_exception():
+def _job(tmp_path, phase: str, step: int):
+    from launcher import plan as plan_mod
+    from launcher.cluster.context import JobContext
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
+
+    plan = plan_mod.build(typed(compose(["topology=slurm_3n"])).topology)
+    ctx = JobContext(tmp_path, "7", 0, 0, ["node1", "node2", "node3"], progress={"phase": phase, "step": step})
+    ctx.rendezvous.mkdir(parents=True)
+    return ctx, plan
+
+
+def test_the_driver_names_the_remote_method_and_its_exception(tmp_path):
     ray = pytest.importorskip("ray")
     from launcher.driver import failures
 
-    class Ctx:
-        progress = {"phase": "generation", "step": 3}
-
+    ctx, plan = _job(tmp_path, "generation", 3)
     err = ray.exceptions.RayTaskError("VllmGenerator.generate", "Traceback ...\nValueError: bad", ValueError("bad"),
                                       pid=12, ip="10.0.0.5")
-    assert failures.describe(err, Ctx(), None, None, None) == (
+    assert failures.describe(err, ctx, plan, None, None) == (
         "VllmGenerator.generate (pid 12, 10.0.0.5) failed during generation at step 3: ValueError: bad")
+
+
+def test_a_collective_that_failed_with_a_peers_node_names_that_node(tmp_path):
+    """A trainer rank's gloo/NCCL error when its peer's node went: the node's report is named too."""
+    pytest.importorskip("ray")
+    from launcher.cluster.ray_node import write_json
+    from launcher.driver import failures
+    from workers.trainer.group import TrainerGroupError
+
+    ctx, plan = _job(tmp_path, "training", 3)
+    write_json(ctx.rendezvous / "failed_node0.json", {"node_index": 0, "host": "node1", "reason": "this node's Ray "
+                                                      "stopped: `ray start` exited with code 1", "log": "L"})
+    err = TrainerGroupError("trainer rank 1 (node2) failed: RuntimeError: Connection reset by peer")
+    assert failures.describe(err, ctx, plan, None, None) == (
+        "TrainerGroupError during training at step 3: trainer rank 1 (node2) failed: RuntimeError: Connection reset "
+        "by peer; node 0 (node1, train) left the Ray cluster: this node's Ray stopped: `ray start` exited with code 1 "
+        "(log: L)")
