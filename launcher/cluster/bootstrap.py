@@ -299,7 +299,7 @@ def _ray_stopped(ctx: JobContext, proc: subprocess.Popen, fatal: str | None = No
 
 
 def _write_node_report(ctx: JobContext, reason: str) -> None:
-    """RUN/ray/<job>.<attempt>/failed_node<i>.json: what check_nodes (and failures.lost_node) name."""
+    """RUN/ray/<job>.<attempt>/failed_node<i>.json: what check_reports (and failures.lost_node) name."""
     write_json(ctx.rendezvous / f"failed_node{ctx.node_index}.json",
                {"node_index": ctx.node_index, "host": ctx.hostname, "reason": reason, "log": str(ctx.log_path("ray"))})
 

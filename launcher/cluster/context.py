@@ -1,8 +1,9 @@
 """What every part inside the job knows about where it runs: the job's identity, its nodes, its
 run directory, and how it reports (`log`, ClusterError naming nodes and logs).
 
-`check_nodes` is the one liveness check (`check_reports` + `check_alive`): the bootstrap's watch
-loop and the driver's failure messages both use it.
+The liveness checks: `check_reports` (each node's bootstrap reports its own Ray stopping) and
+`check_alive` (Ray's node list). The bootstrap's watch loop uses both (the list asked from a thread
+of its own, bootstrap.NodeQuery); the driver's failure messages the reports (failures.lost_node).
 """
 
 from __future__ import annotations
@@ -69,17 +70,6 @@ def doing(ctx: JobContext) -> str:
     if not p.get("phase"):
         return ""
     return f" during {p['phase']}" + (f" at step {p['step']}" if p.get("step") is not None else "")
-
-
-def check_nodes(ctx: JobContext, plan: plan_mod.Plan) -> None:
-    """Raise ClusterError naming any node that left the cluster: its bootstrap reported it, or Ray no
-    longer lists it alive. Asking Ray blocks while the GCS does not answer (the bootstrap's watch
-    loop asks from a thread of its own: launcher.cluster.bootstrap.NodeQuery)."""
-    import ray
-
-    check_reports(ctx, plan)
-    if ray.is_initialized():  # not (or no longer) connected: the reports are all there is
-        check_alive(ctx, plan, alive_resources())
 
 
 def check_reports(ctx: JobContext, plan: plan_mod.Plan) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from launcher import plan as plan_mod
-from launcher.cluster.context import ClusterError, JobContext, check_nodes, doing
+from launcher.cluster.context import ClusterError, JobContext, check_reports, doing
 
 
 class StepFailed(ClusterError):
@@ -51,16 +51,15 @@ def describe(e: BaseException, ctx: JobContext, plan: plan_mod.Plan, trainers, g
 
 def lost_node(ctx: JobContext, plan: plan_mod.Plan, wait_s: float = 5.0) -> str:
     """'; node 2 (node3, generation) left the Ray cluster: ...' when an actor died with its node, or
-    a collective failed because a peer's did (its bootstrap reports the node within a second or
-    two), else ''. Not connected to Ray (the main thread ended the run meanwhile): the reports only."""
-    import ray
-
+    a collective failed because a peer's did, else ''. From the nodes' own reports (each node's
+    bootstrap writes one within a second or two of its Ray stopping; Ray's node list would lag by
+    its health check, and a dead GCS does not answer it): this never asks Ray."""
     deadline = time.time() + wait_s
     while True:
         try:
-            check_nodes(ctx, plan)
+            check_reports(ctx, plan)
         except ClusterError as e:
             return f"; {str(e).replace(doing(ctx), '')}"
-        if time.time() > deadline or not ray.is_initialized():
+        if time.time() > deadline or not ctx.rendezvous.is_dir():  # no rendezvous: no node reports
             return ""
         time.sleep(0.5)

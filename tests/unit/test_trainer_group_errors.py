@@ -24,7 +24,7 @@ def test_without_a_cause_the_last_line_of_the_traceback():
     assert task_error_line(Opaque()) == "KeyError: 'w'"
 
 
-def _job(tmp_path, phase: str, step: int):
+def _job(tmp_path, phase: str, step: int, rendezvous: bool = False):
     from launcher import plan as plan_mod
     from launcher.cluster.context import JobContext
     from launcher.config.compose import compose
@@ -32,7 +32,8 @@ def _job(tmp_path, phase: str, step: int):
 
     plan = plan_mod.build(typed(compose(["topology=slurm_3n"])).topology)
     ctx = JobContext(tmp_path, "7", 0, 0, ["node1", "node2", "node3"], progress={"phase": phase, "step": step})
-    ctx.rendezvous.mkdir(parents=True)
+    if rendezvous:  # where the nodes' reports go (failed_node<i>.json)
+        ctx.rendezvous.mkdir(parents=True)
     return ctx, plan
 
 
@@ -54,7 +55,7 @@ def test_a_collective_that_failed_with_a_peers_node_names_that_node(tmp_path):
     from launcher.driver import failures
     from workers.trainer.group import TrainerGroupError
 
-    ctx, plan = _job(tmp_path, "training", 3)
+    ctx, plan = _job(tmp_path, "training", 3, rendezvous=True)
     write_json(ctx.rendezvous / "failed_node0.json", {"node_index": 0, "host": "node1", "reason": "this node's Ray "
                                                       "stopped: `ray start` exited with code 1", "log": "L"})
     err = TrainerGroupError("trainer rank 1 (node2) failed: RuntimeError: Connection reset by peer")
