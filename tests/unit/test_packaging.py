@@ -119,3 +119,77 @@ def test_pip_would_change_nothing_else_in_this_environment(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = [i["metadata"]["name"] for i in json.loads(report.read_text())["install"]]
     assert names == ["slurm-lora-rl"], names
+
+
+# Import names whose distribution cannot be looked up here (not installed on the CPU stack), and
+# Megatron-Bridge, which is deliberately undeclared (its metadata would downgrade transformers; the
+# README installs it with --no-deps, and its own light imports are declared instead).
+NOT_INSTALLED_HERE = {"transformer_engine": "transformer-engine", "wandb": "wandb", "mamba_ssm": "mamba-ssm",
+                      "causal_conv1d": "causal-conv1d", "apex": "apex"}
+UNDECLARED_ON_PURPOSE = {"megatron-bridge"}
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Top-level import name -> files, for every import in launcher/ and workers/ (in functions too)."""
+    import ast
+
+    out: dict[str, set[str]] = {}
+    for pkg in ("launcher", "workers"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in sys.stdlib_module_names or top in ("launcher", "workers", "__future__"):
+                        continue
+                    # megatron is a namespace shared by two distributions: tell them apart by subpackage
+                    key = ".".join(name.split(".")[:2]) if top == "megatron" else top
+                    out.setdefault(key, set()).add(str(path.relative_to(ROOT)))
+    return out
+
+
+def _distributions_of(import_name: str) -> set[str]:
+    import importlib.metadata as md
+
+    if import_name == "megatron.bridge":
+        return {"megatron-bridge"}
+    if import_name.startswith("megatron."):
+        return {"megatron-core"}
+    if import_name in NOT_INSTALLED_HERE:
+        return {NOT_INSTALLED_HERE[import_name]}
+    return {canonicalize_name(d) for d in md.packages_distributions().get(import_name, [])}
+
+
+def test_every_imported_package_is_declared(requires):
+    """On the README's CUDA path (`pip install -e .` after Megatron-Bridge with --no-deps) nothing but
+    pyproject brings a package: each import of launcher/ or workers/ needs its distribution declared,
+    in the base requirements or in an extra (an optional feature's)."""
+    declared = {canonicalize_name(r.name) for r in requires}
+    missing = {}
+    for name, files in sorted(_third_party_imports().items()):
+        dists = _distributions_of(name)
+        assert dists, f"{name} (imported by {sorted(files)}) maps to no known distribution: add it to the table"
+        if not dists & (declared | UNDECLARED_ON_PURPOSE):
+            missing[name] = (sorted(dists), sorted(files)[:3])
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"
+
+
+def test_the_declaration_check_finds_an_undeclared_import(requires, monkeypatch):
+    """The check above can fail: with datasets' declaration removed it names datasets."""
+    without = [r for r in requires if canonicalize_name(r.name) != "datasets"]
+    with pytest.raises(AssertionError, match="datasets"):
+        test_every_imported_package_is_declared(without)
+
+
+def test_optional_features_are_named_extras(requires):
+    by_extra: dict[str | None, set[str]] = {}
+    for r in requires:
+        by_extra.setdefault(_extra(r), set()).add(canonicalize_name(r.name))
+    assert "math-verify" in by_extra["math"] and "wandb" in by_extra["wandb"]
+    assert {"transformer-engine", "mamba-ssm", "causal-conv1d"} <= by_extra["gpu-kernels"]
+    assert not by_extra[None] & {"math-verify", "wandb", "transformer-engine", "mamba-ssm"}
