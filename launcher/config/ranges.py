@@ -172,6 +172,8 @@ FIELDS: dict[str, Range | OneOf | Text | Elsewhere | Free] = {
     "grpo.loss.ratio_clip_c": Elsewhere("schema.loss_errors", (0.5,)),
     "grpo.loss.reference_policy_kl_penalty": Range(0, None),
     "grpo.loss.truncated_importance_sampling_ratio": Elsewhere("schema.loss_errors", (0.0,)),
+    "grpo.loss.kl_input_clamp_value": Elsewhere("schema.loss_errors", (0.0,)),
+    "grpo.loss.kl_output_clamp_value": Elsewhere("schema.loss_errors", (-1.0,)),
     "grpo.val_period": Elsewhere("validate._grpo_sampling", (-1,)),
     "grpo.val_max_examples": Elsewhere("validate._grpo_sampling", (0,)),
     "grpo.dynamic_sampling.max_gen_batches": Elsewhere("validate._grpo_sampling", (0,)),

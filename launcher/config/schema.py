@@ -153,6 +153,10 @@ class Loss:
     ratio_clip_max: float = 0.28
     ratio_clip_c: Optional[float] = 10.0
     reference_policy_kl_penalty: float = 0.0
+    # k3 to the reference: log(ref/pi) clamped to +-kl_input_clamp_value, k3 to +-kl_output_clamp_value
+    # (NeMo RL's and verl's 20 and 10); null: unclamped
+    kl_input_clamp_value: Optional[float] = 20.0
+    kl_output_clamp_value: Optional[float] = 10.0
     truncated_importance_sampling_ratio: Optional[float] = 5.0
     token_level_loss: bool = True
 
@@ -388,6 +392,10 @@ def loss_errors(loss: Loss) -> list[ConfigError]:
         errs.append(ConfigError("grpo.loss.ratio_clip_c", f"dual clip must be > 1 or null, got {loss.ratio_clip_c}"))
     if loss.truncated_importance_sampling_ratio is not None and loss.truncated_importance_sampling_ratio <= 0:
         errs.append(ConfigError("grpo.loss.truncated_importance_sampling_ratio", "must be positive or null"))
+    for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        value = getattr(loss, key)
+        if value is not None and not value > 0:
+            errs.append(ConfigError(f"grpo.loss.{key}", f"must be positive or null, got {value}"))
     return errs
 
 
