@@ -177,6 +177,7 @@ FIELDS: dict[str, Range | OneOf | Text | Elsewhere | Free] = {
     "grpo.val_period": Elsewhere("validate._grpo_sampling", (-1,)),
     "grpo.val_max_examples": Elsewhere("validate._grpo_sampling", (0,)),
     "grpo.dynamic_sampling.max_gen_batches": Elsewhere("validate._grpo_sampling", (0,)),
+    "grpo.dynamic_sampling.metric": OneOf(("reward", "accuracy")),
     "grpo.overlong_penalty.buffer_tokens": Elsewhere("validate._grpo_sampling", (0,)),
     "grpo.overlong_penalty.max_penalty": Elsewhere("validate._grpo_sampling", (-1.0,)),
     "data.train": Elsewhere("driver.data.check", ("/no/such/prompts.jsonl",)),

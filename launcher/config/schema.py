@@ -163,8 +163,11 @@ class Loss:
 
 @dataclass
 class DynamicSampling:
-    enabled: bool = False          # DAPO: drop prompt groups whose rewards are all equal, sample more
+    enabled: bool = False          # DAPO: drop prompt groups whose scores are all equal, sample more
     max_gen_batches: int = 4       # rounds of num_prompts_per_step prompts per step at most
+    # what "all equal" is judged on (never the overlong penalty): reward (reward.fn's score, NeMo RL's
+    # raw reward) | accuracy (whether each sample scored >= 1, verl's DAPO `acc`)
+    metric: str = "reward"
 
 
 @dataclass
