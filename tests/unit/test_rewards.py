@@ -126,6 +126,27 @@ MATH_VERIFY_CASES = [
 ]
 
 
+# NVIDIA-NeMo/RL @ 7ea279abfbeb698b092856d0dab61e7cf39bc909, tests/unit/environments/test_math_environment.py:
+# the fixtures of test_math_env_step_basic, test_math_env_step_mixed and
+# test_math_env_step_multiple_assistant_messages (the assistant messages joined, as the environment
+# joins them), and test_math_exception_handling (a reward of 0, no crash).
+NEMO_RL_MATH_ENV_CASES = [
+    ("2 + 2 = \\boxed{4}", "4", 1.0),
+    ("3 * 4 = \\boxed{12}", "\\boxed{12}", 1.0),
+    ("10 - 5 = \\boxed{5}", "\\boxed{5}", 1.0),
+    ("2 + 2 = \\boxed{\\frac{8}{2}}", "4.0", 1.0),
+    ("3 * 4 = 13", "\\boxed{12}", 0.0),
+    ("Let me think...2 + 2 = \\boxed{4}", "4", 1.0),
+    ("I'll calculate that...3 * 4 = \\boxed{12}", "\\boxed{12}", 1.0),
+    ("\\boxed{Eq(x**2/16 + y**2/12, 1)}", "Eq(x**2/4 + y**2/3, 1)", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, answer, score", NEMO_RL_MATH_ENV_CASES)
+def test_math_verify_on_nemo_rls_math_environment_cases(response, answer, score):
+    assert rewards.load("math_verify")(response, {"answer": answer}) == score
+
+
 @pytest.mark.parametrize("response, answer, score", MATH_VERIFY_CASES)
 def test_math_verify_reads_the_answer_as_the_field_does(response, answer, score):
     assert rewards.load("math_verify")(response, {"answer": answer}) == score
