@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from launcher.config.compose import compose
-from launcher.config.schema import Data, typed
+from launcher.config.schema import typed
 from launcher.driver import advantages, data, rewards
 from launcher.driver.rollout import collect, request_seed
 
@@ -60,12 +60,12 @@ def setup(tmp_path, script_by_position, *overrides):
                          f"grpo.num_generations_per_prompt={N}", "grpo.max_new_tokens=8", *overrides]))
     from workers.tiny_models import make_tokenizer
 
-    d = Data(train=str(path), chat_template="none")
-    dataset = data.PromptDataset(str(path), cfg.data.seed, d)
-    encoder = data.PromptEncoder(make_tokenizer(), d)
+    dataset = data.PromptDataset(cfg.data.train, cfg.data.seed, cfg.data)  # as the GRPO loop builds it
+    encoder = data.PromptEncoder(make_tokenizer(), cfg.data)
     prompts = data.Prompts(dataset, encoder, 64)
     served = [dataset.example(dataset.order(0)[p]) for p in range(8)]  # the records at served positions 0..7
     encoded = {tuple(encoder.encode(ex)): p for p, ex in enumerate(served)}
+    assert len(encoded) == 8  # every prompt tells its record apart
     gens = ScriptedGenerators(script_by_position, encoded, N)
     return cfg, prompts, gens, served
 
