@@ -1,8 +1,12 @@
 """`python -m launcher -m a=1,2 b=x,y`: a sweep, one run (one Slurm job) per point.
 
-Expansion follows Hydra's BasicSweeper: every sweep override (`a=1,2`, `choice(...)`, `range(...)`,
-`glob(...)` over a config group's options) is parsed by Hydra's own override parser and the points
-are the cartesian product, in command-line order. `interval()` needs a sampling sweeper: refused.
+Expansion follows Hydra's BasicSweeper (`split_arguments`): every override is parsed by Hydra's own
+override parser and keyed by its key as written (`a`, `+a`, `++a`, `~a`, `group@pkg` are five keys);
+a key given again replaces its earlier values, sweep or not, and keeps its first place
+(`a=1,2 a=3` is one point, `a=1,2 b=x a=3,4` two with a first). The points are the cartesian
+product of the keys' values (`a=1,2`, `choice(...)`, `range(...)`, `glob(...)` over a config group's
+options), in that order, each written as Hydra writes it (`optim.lr=1e-4` -> `optim.lr=0.0001`).
+`interval()` needs a sampling sweeper: refused.
 
 Each point's run is named `<its run.name>-<swept values>` (`slurm_2n-tiny_llama-dim8-lr1e-4`):
 one path component of [A-Za-z0-9._-], unique within the sweep. The sweep's record is
@@ -58,11 +62,11 @@ def expand(overrides: list[str], max_points: int = MAX_POINTS) -> list[Point]:
     or when there are more than `max_points` points."""
     from hydra.core.override_parser.types import Glob
 
-    axes: list[tuple[str, list[str], bool]] = []   # (key, values, swept)
+    axes: dict[str, tuple[list[str], bool]] = {}   # key -> (its values as overrides, swept); first place kept
     for o in _parse(overrides):
         key = o.get_key_element()
         if not o.is_sweep_override():
-            axes.append((key, [o.input_line], False))
+            axes[key] = ([f"{key}={o.get_value_element_as_str()}"], False)
             continue
         if o.is_interval_sweep():
             raise ConfigError(o.input_line, "interval() needs a sampling sweeper; list the values "
@@ -77,15 +81,15 @@ def expand(overrides: list[str], max_points: int = MAX_POINTS) -> list[Point]:
             values = list(o.sweep_string_iterator())
         if not values:
             raise ConfigError(o.input_line, "this sweep has no values")
-        axes.append((key, [f"{key}={v}" for v in values], True))
-    count = math.prod(len(v) for _, v, _ in axes)
+        axes[key] = ([f"{key}={v}" for v in values], True)
+    count = math.prod(len(v) for v, _ in axes.values())
     if count > max_points:
-        sizes = " x ".join(str(len(v)) for _, v, swept in axes if swept)
+        sizes = " x ".join(str(len(v)) for v, swept in axes.values() if swept)
         raise ConfigError("-m", f"the sweep has {count} points ({sizes}); the limit is {max_points} "
                                 f"(raise it with --max-points={count})")
     points = []
-    for i, combo in enumerate(itertools.product(*(v for _, v, _ in axes))):
-        swept = [(key, line.partition("=")[2]) for (key, _, s), line in zip(axes, combo) if s]
+    for i, combo in enumerate(itertools.product(*(v for v, _ in axes.values()))):
+        swept = [(key, line[len(key) + 1:]) for (key, (_, s)), line in zip(axes.items(), combo) if s]
         points.append(Point(i, list(combo), swept))
     return points
 

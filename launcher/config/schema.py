@@ -153,14 +153,21 @@ class Loss:
     ratio_clip_max: float = 0.28
     ratio_clip_c: Optional[float] = 10.0
     reference_policy_kl_penalty: float = 0.0
+    # k3 to the reference: log(ref/pi) clamped to +-kl_input_clamp_value, k3 to +-kl_output_clamp_value
+    # (NeMo RL's and verl's 20 and 10); null: unclamped
+    kl_input_clamp_value: Optional[float] = 20.0
+    kl_output_clamp_value: Optional[float] = 10.0
     truncated_importance_sampling_ratio: Optional[float] = 5.0
     token_level_loss: bool = True
 
 
 @dataclass
 class DynamicSampling:
-    enabled: bool = False          # DAPO: drop prompt groups whose rewards are all equal, sample more
+    enabled: bool = False          # DAPO: drop prompt groups whose scores are all equal, sample more
     max_gen_batches: int = 4       # rounds of num_prompts_per_step prompts per step at most
+    # what "all equal" is judged on (never the overlong penalty): reward (reward.fn's score, NeMo RL's
+    # raw reward) | accuracy (whether each sample scored >= 1, verl's DAPO `acc`)
+    metric: str = "reward"
 
 
 @dataclass
@@ -388,6 +395,10 @@ def loss_errors(loss: Loss) -> list[ConfigError]:
         errs.append(ConfigError("grpo.loss.ratio_clip_c", f"dual clip must be > 1 or null, got {loss.ratio_clip_c}"))
     if loss.truncated_importance_sampling_ratio is not None and loss.truncated_importance_sampling_ratio <= 0:
         errs.append(ConfigError("grpo.loss.truncated_importance_sampling_ratio", "must be positive or null"))
+    for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        value = getattr(loss, key)
+        if value is not None and not value > 0:
+            errs.append(ConfigError(f"grpo.loss.{key}", f"must be positive or null, got {value}"))
     return errs
 
 

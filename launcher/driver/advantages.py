@@ -5,6 +5,11 @@ baseline (group mean, or the mean of the other generations with leave-one-out) -
 divide by the group's standard deviation (groups whose rewards are all equal get advantage 0)
 -> clip to +-advantage_clip.
 Pure Python on plain floats: small, exact and easy to check by hand.
+
+DAPO's dynamic sampling keeps a prompt group when its samples' scores differ (`informative`),
+judged on reward.fn's score or on correctness (grpo.dynamic_sampling.metric), never on the
+overlong penalty: a group of wrong answers of different lengths differs only in that penalty and
+would otherwise count as informative (NeMo RL filters on the raw score, verl's DAPO on `acc`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,20 @@ def shaped(rewards: list[float], g: Grpo, penalties: list[float] | None = None) 
     """Scaled rewards plus the overlong penalties (what the advantages are computed from)."""
     r = scale(rewards, g.reward_scaling)
     return [x + p for x, p in zip(r, penalties)] if penalties is not None else r
+
+
+def correct(reward: float) -> bool:
+    """A sample reward.fn scored 1 or more (val/accuracy, dynamic_sampling.metric=accuracy)."""
+    return reward >= 1.0
+
+
+def informative(rewards: list[float], g: Grpo) -> bool:
+    """Whether one prompt group's samples differ in grpo.dynamic_sampling.metric: `reward` (the
+    scores as grpo.reward_scaling maps them, so scores it clamps together count as equal) or
+    `accuracy` (correct or not). The overlong penalty is left out on purpose."""
+    if g.dynamic_sampling.metric == "accuracy":
+        return len({correct(r) for r in rewards}) > 1
+    return len(set(scale(rewards, g.reward_scaling))) > 1
 
 
 def compute(rewards: list[float], g: Grpo, penalties: list[float] | None = None) -> list[float]:

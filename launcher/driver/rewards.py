@@ -9,8 +9,13 @@ run with one line naming the record with `fail`.
 
 Built-ins compare with the record's `data.answer_key` field:
 - `say_number` / `math_answer`: the two demos' rewards (see launcher.driver.data).
-- `math_verify`: HF math-verify (the verifier TRL, verl and NeMo RL use): 1 when the response's
-  final answer is mathematically equal to the reference answer.
+- `math_verify`: HF math-verify called as verl (`reward_score/math_verify.py`) and NeMo RL (the
+  math environment) call it: the reference answer, bare LaTeX as MATH-style sets write it
+  (`2\\sqrt{3}`, `(1,3]`, `50\\%`) or a GSM8K-style number (`1,000`), is wrapped in `\\boxed{}` and
+  read with the LaTeX extractor; the response with the expression and the LaTeX extractors (its
+  `\\boxed{}` first). 1 when the two are mathematically equal. A reference answer math-verify
+  cannot read is an error (scored 0 and counted, like any failed call), never a crash; a response
+  without an answer it can read is 0.
 - `exact_match`: 1 when the response equals the answer after normalisation (case, whitespace,
   surrounding punctuation).
 """
@@ -53,11 +58,31 @@ def exact_match(response: str, target) -> float:
     return 1.0 if _normalise(response) == _normalise(target) else 0.0
 
 
-def math_verify(response: str, target) -> float:
-    from math_verify import parse, verify
+@functools.lru_cache(maxsize=1)
+def _math_metric():
+    import logging
 
-    gold = parse(str(target) if "$" in str(target) or "\\" in str(target) else f"${target}$")
-    return 1.0 if verify(gold, parse(response)) else 0.0
+    from math_verify.metric import math_metric
+    from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a warning per unreadable response otherwise
+    return math_metric(gold_extraction_target=(LatexExtractionConfig(),),
+                       pred_extraction_target=(ExprExtractionConfig(), LatexExtractionConfig()))
+
+
+def math_verify(response: str, target) -> float:
+    from math_verify.errors import TimeoutException
+
+    gold = "\\boxed{" + str(target) + "}"
+    try:
+        score, _ = _math_metric()([gold], [response])
+    except TimeoutException:  # a BaseException: made an ordinary error the reward pool counts
+        raise TimeoutError(f"math-verify timed out comparing with the answer {str(target)!r}") from None
+    except ValueError as e:
+        if "No gold targets found" in str(e):
+            raise ValueError(f"math-verify cannot read the answer {str(target)!r}") from None
+        raise
+    return float(score)
 
 
 BUILTIN = {"say_number": say_number, "math_answer": math_answer, "math_verify": math_verify,

@@ -66,11 +66,13 @@ def sample(cfg: Config, generators, prompt_ids: Sequence[list[int]], examples: S
 def collect(cfg: Config, generators, prompts, rewards, step: int, position: int) -> tuple[Rollout, int, dict]:
     """The step's training samples from data position `position`: (rollout, the position after, metrics).
 
-    With grpo.dynamic_sampling (DAPO) prompt groups whose shaped rewards are all equal carry no
-    signal and are dropped; further rounds of num_prompts_per_step prompts are sampled until that
-    many informative groups or max_gen_batches rounds, the batch topped up with dropped groups
-    (advantage 0) if short, so its size is fixed. Every round's prompts count as consumed."""
-    from launcher.driver.advantages import overlong_penalty, shaped
+    With grpo.dynamic_sampling (DAPO) prompt groups whose scores are all equal (advantages.informative:
+    on grpo.dynamic_sampling.metric, never on the overlong penalty) carry no signal and are dropped;
+    further rounds of num_prompts_per_step prompts are sampled until that many informative groups
+    or max_gen_batches rounds, the batch topped up with dropped groups, first sampled first, if
+    short, so its size is fixed (their advantage is 0, or the overlong penalty's alone when it is on).
+    Every round's prompts count as consumed."""
+    from launcher.driver.advantages import informative
 
     g = cfg.grpo
     n, want = g.num_generations_per_prompt, g.num_prompts_per_step
@@ -81,26 +83,27 @@ def collect(cfg: Config, generators, prompts, rewards, step: int, position: int)
         part = sample(cfg, generators, ids, examples, step, rewards, first_prompt=r * want)
         skipped, errors, generated = skipped + dropped, errors + part.reward_errors, generated + len(part.rewards)
         for grp in part.groups(n):
-            final = shaped(grp.rewards, g, overlong_penalty([len(x) for x in grp.response_ids], g))
-            (kept if not g.dynamic_sampling.enabled or len(set(final)) > 1 else spare).append(grp)
+            (kept if not g.dynamic_sampling.enabled or informative(grp.rewards, g) else spare).append(grp)
         if len(kept) >= want:
             break
-    informative = min(len(kept), want)
-    batch = Rollout.join(kept[:want] + spare[:want - informative], reward_errors=errors)
+    full = min(len(kept), want)
+    batch = Rollout.join(kept[:want] + spare[:want - full], reward_errors=errors)
     m = {"data/dropped_prompts": skipped, "reward/errors": errors,
          "response/truncated_fraction": sum(batch.truncated) / len(batch.truncated)}
     if g.dynamic_sampling.enabled:
-        m.update({"dynamic_sampling/kept_groups": informative, "dynamic_sampling/gen_batches": r + 1,
+        m.update({"dynamic_sampling/kept_groups": full, "dynamic_sampling/gen_batches": r + 1,
                   "dynamic_sampling/generated_samples": generated})
     return batch, position, m
 
 
 def validation(cfg: Config, generators, val, rewards, step: int) -> dict:
     """Greedy generation over the validation prompts (`val`: (examples, ids)): val/reward, val/accuracy."""
+    from launcher.driver.advantages import correct
+
     examples, ids = val
     r = sample(cfg, generators, ids, examples, step, rewards, greedy=True)
     return {"val/reward": sum(r.rewards) / len(r.rewards),
-            "val/accuracy": sum(1 for x in r.rewards if x >= 1.0) / len(r.rewards),
+            "val/accuracy": sum(1 for x in r.rewards if correct(x)) / len(r.rewards),
             "val/reward_errors": r.reward_errors, "val/sample": r.texts[0]}
 
 

@@ -96,6 +96,64 @@ def test_range_and_glob_over_a_config_group():
     assert [p.overrides for p in globbed] == [["topology=slurm_2n"], ["topology=slurm_3n"]]
 
 
+# Hydra's own expectations: facebookresearch/hydra, tests/test_basic_sweeper.py, test_split (the cases
+# without batching: ids simple, split_1d, not_split_yaml_list, list_of_lists, no_batching, range),
+# commit 11d0e9c13403ec155514c2ca3395aac6e467e08f.
+HYDRA_TEST_SPLIT = [
+    (["x=10"], [["x=10"]]),
+    (["x=10,20"], [["x=10"], ["x=20"]]),
+    (["x=[10,20]"], [["x=[10,20]"]]),
+    (["x=[a,b,c],[d,e,f]"], [["x=[a,b,c]"], ["x=[d,e,f]"]]),
+    (["a=1,2", "b=10,11"], [["a=1", "b=10"], ["a=1", "b=11"], ["a=2", "b=10"], ["a=2", "b=11"]]),
+    (["a=range(0,3)"], [["a=0"], ["a=1"], ["a=2"]]),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", HYDRA_TEST_SPLIT)
+def test_hydras_own_basic_sweeper_cases(overrides, expected):
+    assert [p.overrides for p in sweep_mod.expand(overrides)] == expected
+
+
+# Lists to expand as Hydra's BasicSweeper.split_arguments does (installed hydra-core, compared live):
+# a repeated key, sweep or not, keeps its first place and takes its last values; +key, ++key, ~key
+# and group@package are keys of their own; values are written as Hydra writes them.
+SAME_AS_HYDRA = [
+    ["peft.dim=8,16", "peft.dim=32,64"],
+    ["grpo.max_num_steps=1,2", "grpo.max_num_steps=3"],
+    ["grpo.max_num_steps=3", "grpo.max_num_steps=1,2"],
+    ["peft.dim=8,16", "optim.lr=1e-4", "peft.dim=32", "optim.lr=1e-3,1e-2"],
+    ["a=1", "b=2,3", "a=4,5"],
+    ["topology=slurm_2n,slurm_3n", "topology=local"],
+    ["topology=slurm_2n", "peft.dim=8,16", "topology=slurm_3n,slurm_4n"],
+    ["+x.y=1", "x.y=2,3"],
+    ["++peft.dim=8,16", "peft.dim=4", "++peft.dim=32"],
+    ["~slurm.qos", "slurm.qos=a,b", "~slurm.qos"],
+    ["model@foo=tiny_llama,tiny_qwen2", "model=tiny_qwen3"],
+    ["optim.lr=choice(1e-4,3e-4)", "peft.dim=range(4,13,4)", "optim.lr=0.1"],
+    ["+slurm.extra_sbatch.comment='a b','c,d'", "data.system_prompt=x y", "peft.dim= 8"],
+    ["grpo.loss.ratio_clip_c=null,10", "a=[1,2],[3]", "b={x:1}"],
+]
+
+
+@pytest.mark.parametrize("overrides", SAME_AS_HYDRA)
+def test_expansion_is_hydras_basic_sweeper(overrides):
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (hydra,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    assert [p.overrides for p in sweep_mod.expand(overrides)] == hydra
+
+
+def test_the_last_override_of_a_key_wins():
+    assert [p.overrides for p in sweep_mod.expand(["peft.dim=8,16", "peft.dim=32,64"])] == [
+        ["peft.dim=32"], ["peft.dim=64"]]
+    (point,) = sweep_mod.expand(["grpo.max_num_steps=1,2", "grpo.max_num_steps=3"])
+    assert point.overrides == ["grpo.max_num_steps=3"] and point.swept == []
+    points = sweep_mod.expand(["topology=slurm_2n,slurm_3n", "peft.dim=8", "topology=slurm_4n,local"])
+    assert [p.swept for p in points] == [[("topology", "slurm_4n")], [("topology", "local")]]
+    assert points[0].overrides == ["topology=slurm_4n", "peft.dim=8"]
+
+
 @pytest.mark.parametrize("overrides, max_points, message", [
     (["peft.dim=interval(1,4)"], 64, "peft.dim=interval(1,4): interval() needs a sampling sweeper; list the values "
                                      "(a=1,2,3) or use range(start,stop,step)"),

@@ -23,7 +23,7 @@ def reference(lp, prev, adv, mask, cfg, gen=None, ref=None):
             if not mask[b][t]:
                 continue
             a = adv[b]
-            r = math.exp(lp[b][t] - prev[b][t])
+            r = math.exp(min(max(lp[b][t] - prev[b][t], -20.0), 20.0))
             rc = min(max(r, 1 - cfg.ratio_clip_min), 1 + cfg.ratio_clip_max)
             pg = max(-a * r, -a * rc)
             if cfg.ratio_clip_c is not None and a < 0:
@@ -32,7 +32,12 @@ def reference(lp, prev, adv, mask, cfg, gen=None, ref=None):
                 pg *= min(math.exp(prev[b][t] - gen[b][t]), cfg.truncated_importance_sampling_ratio)
             if ref is not None and cfg.reference_policy_kl_penalty:
                 x = ref[b][t] - lp[b][t]
-                pg += cfg.reference_policy_kl_penalty * (math.exp(x) - x - 1)
+                if cfg.kl_input_clamp_value is not None:
+                    x = min(max(x, -cfg.kl_input_clamp_value), cfg.kl_input_clamp_value)
+                k3 = math.exp(x) - x - 1
+                if cfg.kl_output_clamp_value is not None:
+                    k3 = min(max(k3, -cfg.kl_output_clamp_value), cfg.kl_output_clamp_value)
+                pg += cfg.reference_policy_kl_penalty * k3
             seq.append(pg)
             tokens.append(pg)
         if seq:
@@ -136,3 +141,56 @@ def test_config_keys_follow_yaml():
     assert loss_config(section).ratio_clip_c == section["ratio_clip_c"]
     with pytest.raises(ValueError, match="unknown keys"):
         loss_config({**section, "ratio_clip": 0.2})
+
+
+def extreme_inputs(dtype=torch.float32):
+    """One sequence, three trained tokens: log(pi/pi_old) = 0, 100 (past float32's exp) and -100;
+    log(ref/pi) = 0.1, 30 (a token the policy all but ruled out) and -30."""
+    lp = torch.tensor([[-1.0, -1.0, -101.0]], dtype=dtype)
+    prev = torch.tensor([[-1.0, -101.0, -1.0]], dtype=dtype)
+    ref = torch.tensor([[-0.9, 29.0, -131.0]], dtype=dtype)
+    return lp, prev, ref, torch.ones((1, 3), dtype=dtype)
+
+
+@pytest.mark.parametrize("a", [1.0, -1.0])
+@pytest.mark.parametrize("dual", [10.0, None])
+def test_extreme_log_ratios_keep_loss_and_gradient_finite(a, dual):
+    lp, prev, ref, mask = extreme_inputs()
+    cfg = LossConfig(**{**CFG.__dict__, "ratio_clip_c": dual, "reference_policy_kl_penalty": 0.1})
+    lp.requires_grad_(True)
+    loss, m = grpo_loss(lp, prev, torch.tensor([a]), mask, cfg, reference_logprobs=ref)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert math.isfinite(m["ratio_mean"]) and math.isfinite(m["kl"])
+    assert lp.grad[0, 1] == 0 and lp.grad[0, 2] == 0  # past the clamps: no gradient
+    assert loss.item() == pytest.approx(reference(*as_lists(lp.detach(), prev), [a], mask.tolist(), cfg,
+                                                  None, ref.tolist()), rel=1e-6)
+
+
+def test_the_kl_term_is_clamped_as_nemo_rl_and_verl_clamp_it():
+    """log(ref/pi) in [-20, 20], k3 in [-10, 10] (the defaults); null turns either clamp off."""
+    lp, prev, ref, mask = extreme_inputs(torch.float64)
+    zero = torch.zeros(1, dtype=torch.float64)
+    _, m = grpo_loss(lp, lp, zero, mask, CFG, reference_logprobs=ref)
+    # 30 -> 20: k3 = e^20 - 21 -> 10;  -30 -> -20: k3 = e^-20 + 19 -> 10
+    k3 = [math.exp(0.1) - 1.1, 10.0, 10.0]
+    assert m["kl"] == pytest.approx(sum(k3) / 3, rel=1e-12)
+    loose = LossConfig(**{**CFG.__dict__, "kl_output_clamp_value": None})
+    assert grpo_loss(lp, lp, zero, mask, loose, reference_logprobs=ref)[1]["kl"] == pytest.approx(
+        (math.exp(0.1) - 1.1 + math.exp(20) - 21 + math.exp(-20) + 19) / 3, rel=1e-12)
+    off = LossConfig(**{**CFG.__dict__, "kl_input_clamp_value": None, "kl_output_clamp_value": None})
+    assert grpo_loss(lp, lp, zero, mask, off, reference_logprobs=ref)[1]["kl"] == pytest.approx(
+        (math.exp(0.1) - 1.1 + math.exp(30) - 31 + math.exp(-30) + 29) / 3, rel=1e-12)
+
+
+@pytest.mark.parametrize("key, value", [("kl_input_clamp_value", 0.0), ("kl_output_clamp_value", -1.0)])
+def test_a_kl_clamp_must_be_positive_or_null(key, value):
+    import yaml
+    from pathlib import Path
+
+    section = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf/grpo/demo.yaml").read_text())["loss"]
+    assert (section["kl_input_clamp_value"], section["kl_output_clamp_value"]) == (20.0, 10.0)
+    with pytest.raises(ValueError) as e:
+        loss_config({**section, key: value})
+    assert str(e.value) == f"grpo.loss.{key}: must be positive or null, got {value}"
+    assert loss_config({**section, key: None}).__dict__[key] is None

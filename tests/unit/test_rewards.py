@@ -92,6 +92,90 @@ def test_builtins():
     assert rewards.load("say_number")("42 41 9", {"answer": [40, 49]}) == pytest.approx(2 / 3)
 
 
+# MATH-style answers are bare LaTeX (the dataset's `\\boxed{...}` contents), GSM8K-style answers plain
+# numbers, thousands separators included. (response, answer, score) under verl's and NeMo RL's call.
+MATH_VERIFY_CASES = [
+    ("so \\boxed{2\\sqrt{3}}", "2\\sqrt{3}", 1.0),            # read raw, the answer scored 0 ...
+    ("so \\boxed{2}", "2\\sqrt{3}", 0.0),                       # ... and this 1
+    ("\\boxed{3}", "3\\pi", 0.0),                               # ... and this 1
+    ("\\boxed{3\\pi}", "3\\pi", 1.0),
+    ("\\boxed{\\pi}", "\\pi", 1.0),
+    ("\\boxed{3.14}", "\\pi", 0.0),
+    ("\\boxed{\\dfrac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", 1.0),
+    ("\\boxed{1.5}", "\\frac32", 1.0),
+    ("\\boxed{(1, 3]}", "(1,3]", 1.0),                            # intervals: ends and brackets count
+    ("\\boxed{[1, 3]}", "(1,3]", 0.0),
+    ("\\boxed{x \\in (-\\infty, 2)}", "(-\\infty,2)", 1.0),
+    ("\\boxed{(2, -1)}", "(2,-1)", 1.0),                          # tuples: order counts
+    ("\\boxed{(-1, 2)}", "(2,-1)", 0.0),
+    ("\\boxed{50\\%}", "50\\%", 1.0),                         # percentages
+    ("\\boxed{0.5}", "50\\%", 0.0),
+    ("\\boxed{50}", "50\\%", 0.0),
+    ("\\boxed{\\text{Monday}}", "\\text{Monday}", 1.0),       # \\text{} answers
+    ("\\boxed{\\text{Tuesday}}", "\\text{Monday}", 0.0),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    ("\\boxed{-3}", "-3", 1.0),
+    ("\\boxed{3}", "-3", 0.0),
+    ("She paid $1000 in all. The answer is 1000", "1,000", 1.0),  # GSM8K: thousands separators
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{100}", "1,000", 0.0),
+    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0),
+    ("The answer is 17", "18", 0.0),
+    ("\\boxed{18}", 18, 1.0),                                       # a number, not a string, in the record
+    ("I do not know", "5", 0.0),                                  # nothing to read in the response: wrong
+]
+
+
+# NVIDIA-NeMo/RL @ 7ea279abfbeb698b092856d0dab61e7cf39bc909, tests/unit/environments/test_math_environment.py:
+# the fixtures of test_math_env_step_basic, test_math_env_step_mixed and
+# test_math_env_step_multiple_assistant_messages (the assistant messages joined, as the environment
+# joins them), and test_math_exception_handling (a reward of 0, no crash).
+NEMO_RL_MATH_ENV_CASES = [
+    ("2 + 2 = \\boxed{4}", "4", 1.0),
+    ("3 * 4 = \\boxed{12}", "\\boxed{12}", 1.0),
+    ("10 - 5 = \\boxed{5}", "\\boxed{5}", 1.0),
+    ("2 + 2 = \\boxed{\\frac{8}{2}}", "4.0", 1.0),
+    ("3 * 4 = 13", "\\boxed{12}", 0.0),
+    ("Let me think...2 + 2 = \\boxed{4}", "4", 1.0),
+    ("I'll calculate that...3 * 4 = \\boxed{12}", "\\boxed{12}", 1.0),
+    ("\\boxed{Eq(x**2/16 + y**2/12, 1)}", "Eq(x**2/4 + y**2/3, 1)", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, answer, score", NEMO_RL_MATH_ENV_CASES)
+def test_math_verify_on_nemo_rls_math_environment_cases(response, answer, score):
+    assert rewards.load("math_verify")(response, {"answer": answer}) == score
+
+
+@pytest.mark.parametrize("response, answer, score", MATH_VERIFY_CASES)
+def test_math_verify_reads_the_answer_as_the_field_does(response, answer, score):
+    assert rewards.load("math_verify")(response, {"answer": answer}) == score
+
+
+def test_the_readmes_own_data_reward_scores_as_the_builtin(tmp_path):
+    """README.md's "Train on your own data" reward file, taken from the README as a user copies it."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    block = text.split("a reward, `my_reward.py`", 1)[1].split("\n\n", 1)[1].split("\n\n(", 1)[0]
+    (tmp_path / "my_reward.py").write_text("\n".join(line[4:] for line in block.splitlines()) + "\n")
+    score = rewards.load(f"{tmp_path}/my_reward.py:score")
+    for response, answer, expected in MATH_VERIFY_CASES:
+        assert score(response, {"solution": answer}) == expected, (response, answer)
+
+
+def test_an_answer_math_verify_cannot_read_is_a_counted_error(tmp_path):
+    r = rewards.Rewards(Reward(fn="math_verify", workers=1, timeout_s=20), "answer", tmp_path)
+    exs = [data.Example(i, {"answer": a}, prompt="p", where=f"line {i + 1} of t.jsonl")
+           for i, a in enumerate(["", "2\\sqrt{3}"])]
+    try:
+        assert r.score(["\\boxed{5}", "\\boxed{2\\sqrt{3}}"], exs) == ([0.0, 1.0], 1)
+    finally:
+        r.close()
+    assert (tmp_path / "logs" / "reward_errors.log").read_text().startswith(
+        "reward.fn math_verify on line 1 of t.jsonl: ValueError: math-verify cannot read the answer ''\n")
+
+
 def examples(words):
     return [data.Example(i, {"expected": w}, prompt="p", where=f"line {i + 1} of q.jsonl") for i, w in enumerate(words)]
 

@@ -3,20 +3,28 @@
 Per generated token t of a sequence with advantage A (all tensors [B, T], aligned as in
 docs/architecture.md, `mask` = 1 on trained tokens):
 
-    ratio   = exp(logprobs - prev_logprobs)
+    ratio   = exp(clamp(logprobs - prev_logprobs, -20, 20))   (verl's bound: finite loss and gradient
+                                                          for any log ratio; no gradient past it)
     pg      = max(-A * ratio, -A * clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max))
     pg      = min(pg, -A * ratio_clip_c)                  where A < 0   (dual clip; None: off)
     pg     *= w,  w = min(exp(prev_logprobs - generation_logprobs), truncated_importance_sampling_ratio)
                                                         (truncated importance sampling, w detached;
                                                          None or no generation_logprobs: w = 1)
-    loss_t  = pg + beta * k3,  k3 = exp(ref - logprobs) - (ref - logprobs) - 1
-                                                        (beta = reference_policy_kl_penalty)
+    loss_t  = pg + beta * k3,  k3 = clamp(exp(x) - x - 1, -out, out),  x = clamp(ref - logprobs, -in, in)
+                                                        (beta = reference_policy_kl_penalty; in / out =
+                                                         kl_input_clamp_value / kl_output_clamp_value,
+                                                         20 / 10 as NeMo RL and verl; null: unclamped)
 
 Reduced by a token-level masked mean (token_level_loss) or the mean over sequences of each
 sequence's masked mean. Under data parallelism each rank holds part of the batch: pass the global
 token (or sequence) count as `normalizer` so the sum of the ranks' losses is the global loss.
 
 Field names of `LossConfig` are the keys of `grpo.loss` in conf/grpo/*.yaml.
+
+The clamps are the field's (tests/unit/test_peer_vectors.py holds NeMo RL's and verl's cases): one
+token the policy gives far less probability than the reference (log(ref/pi) = 30, say) would add
+exp(30) ~ 1e13 to the loss unclamped, and a log ratio past ~88 overflows exp() in float32 (inf * 0
+in the backward pass: NaN gradients for the whole batch).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from launcher.config.schema import Loss, from_dict, loss_errors
 
 
 LossConfig = Loss  # the `grpo.loss` section (launcher.config.schema holds the one definition)
+LOG_RATIO_CLAMP = 20.0  # |log(pi / pi_old)| bound, verl's compute_policy_loss_vanilla
 
 
 def loss_config(d: dict | None) -> Loss:
@@ -64,6 +73,7 @@ def grpo_loss(
     on = mask > 0
     # Positions outside the mask may hold anything (padding): keep exp() finite there.
     log_ratio = torch.where(on, logprobs - prev_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
     pg = torch.maximum(-adv * ratio, -adv * clipped)
@@ -82,7 +92,11 @@ def grpo_loss(
     kl = torch.zeros_like(logprobs)
     if reference_logprobs is not None:
         log_ref_ratio = torch.where(on, reference_logprobs.to(logprobs.dtype) - logprobs, torch.zeros_like(logprobs))
+        if cfg.kl_input_clamp_value is not None:
+            log_ref_ratio = torch.clamp(log_ref_ratio, -cfg.kl_input_clamp_value, cfg.kl_input_clamp_value)
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        if cfg.kl_output_clamp_value is not None:
+            kl = torch.clamp(kl, -cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
         if cfg.reference_policy_kl_penalty:
             per_token = per_token + cfg.reference_policy_kl_penalty * kl
 
