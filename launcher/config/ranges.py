@@ -205,6 +205,7 @@ FIELDS: dict[str, Range | OneOf | Text | Elsewhere | Free] = {
     "refit.mode": Elsewhere("validate._refit_and_vllm", ("full",)),
     "refit.bucket_mb": Elsewhere("validate._refit_and_vllm", (0,)),
     "refit.transport": Elsewhere("validate._refit_and_vllm", ("tcp",)),
+    "refit.timeout_s": Range(1, None),
     "checkpointing.dir": Elsewhere("paths.path_error", ("ck%j",)),
     "checkpointing.save_period": Elsewhere("validate._checkpointing_and_slurm", (0,)),
     "checkpointing.keep_top_k": Elsewhere("validate._checkpointing_and_slurm", (0,)),

@@ -242,6 +242,7 @@ class Refit:
     mode: str = "merged"
     bucket_mb: int = 256
     transport: str = "auto"
+    timeout_s: float = 600.0   # the broadcast group's collectives (trainer rank 0 and every vLLM worker)
 
 
 @dataclass

@@ -212,9 +212,9 @@ if backend == "nccl":
     torch.cuda.set_device(0)
 t = BroadcastTransport.join(host, port, rank=1, world_size=2, backend=backend, timeout_s=120,
                             device="cuda:0" if backend == "nccl" else None)
-layout, stream, received = t.receive({"mode": "merged"}, {})
-save_file({n: x.cpu().contiguous() for n, x in stream}, out)
-print(json.dumps({"received_layout": received, "tensors": len(layout.tensors)}))
+incoming = t.receive({"mode": "merged"}, {})
+save_file({n: x.cpu().contiguous() for n, x in incoming.stream}, out)
+print(json.dumps({"received_layout": incoming.layout_received, "tensors": len(incoming.layout.tensors)}))
 """
 
 
