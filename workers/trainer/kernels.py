@@ -40,12 +40,15 @@ FUSION_KERNELS: dict[str, tuple[str, ...]] = {
     "gradient_accumulation_fusion": ("fused_weight_gradient_mlp_cuda",),
     "masked_softmax_fusion": ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"),
     "persist_layer_norm": ("apex.contrib.layer_norm.layer_norm:FastLayerNormFN",),
-    "apply_rope_fusion": ("megatron.core.extensions.transformer_engine:fused_apply_rotary_pos_emb",),
-    "moe_permute_fusion": ("megatron.core.extensions.transformer_engine:fused_permute",),
+    "apply_rope_fusion": ("transformer_engine.pytorch",
+                          "megatron.core.extensions.transformer_engine:fused_apply_rotary_pos_emb"),
+    "moe_permute_fusion": ("transformer_engine.pytorch", "megatron.core.extensions.transformer_engine:fused_permute"),
     "moe_grouped_gemm": ("transformer_engine.pytorch",),
 }
 CPU_OFF = ("bias_activation_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion")
 TRANSFORMER_ENGINE = "transformer_engine.pytorch"
+# megatron's TE extension module prints a traceback when imported without TE: probe TE first
+_NEEDS_FIRST = {"megatron.core.extensions.transformer_engine": TRANSFORMER_ENGINE}
 
 
 def importable(need: str) -> str:
@@ -71,5 +74,12 @@ def settings(is_cpu: bool, probe: Callable[[str], str] = importable) -> dict[str
 
 def report(probe: Callable[[str], str] = importable) -> dict[str, str]:
     """{kernel need: 'ok' or why not} for every need in the table (the preflight's view of a node)."""
-    needs = sorted({n for ns in FUSION_KERNELS.values() for n in ns} | {TRANSFORMER_ENGINE})
-    return {n: probe(n) for n in needs}
+    out: dict[str, str] = {}
+    for n in sorted({n for ns in FUSION_KERNELS.values() for n in ns}, key=lambda n: (n in _first_of(), n)):
+        first = _NEEDS_FIRST.get(n.partition(":")[0])
+        out[n] = f"needs {first}" if first and out.get(first, probe(first)) != "ok" else probe(n)
+    return out
+
+
+def _first_of() -> set[str]:
+    return {n for ns in FUSION_KERNELS.values() for n in ns if n.partition(":")[0] in _NEEDS_FIRST}
