@@ -14,8 +14,10 @@ Modes (config `refit.mode`, allowed values `schema.REFIT_MODES`):
 What travels: a `RefitLayout` (the (name, shape, dtype) of every tensor in a fixed order, the
 bucket size and, for LoRA, the module groups and alpha/dim) once, then per refit only uint8
 buckets of at most `bucket_mb` (a single tensor larger than that travels alone in its own
-bucket). Both sides derive the bucket boundaries from the layout with `plan_buckets`, so they
-iterate the same order.
+bucket). The sender closes buckets as the tensors arrive (`stream_buckets`), so the layout is
+known only at the end of the first refit of a kind: the Ray transport puts it after the last
+bucket, the broadcast transport sends each bucket's part of it with the bucket. Both sides derive
+the bucket boundaries with the same rule (`plan_buckets`), so they iterate the same order.
 
 The rest of refit, one module per process side:
   transports.py      how buckets get there: one class per transport (Ray object store, broadcast group)
