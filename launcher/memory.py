@@ -160,9 +160,9 @@ class MemoryPlan:
 def plan_memory(cfg: Config, plan) -> MemoryPlan:
     """The memory plan of a config whose topology passed plan.check (plan = plan.build(topology))."""
     gpu = float(cfg.topology.gpu_memory_gib)
-    size = model_size(cfg)
     if cfg.topology.device != "cuda":
         return MemoryPlan(gpu, None, [], [], [], 0.0, ["memory: no GPU plan on cpu"], [])
+    size = model_size(cfg)
     if size is None:
         return MemoryPlan(gpu, None, [], [], [], 0.0, [
             f"memory: no plan: model.path {cfg.model.path} is not on this machine and model.size.parameters "
