@@ -18,6 +18,7 @@ from pathlib import Path
 
 from launcher import paths
 from launcher import sweep as sweep_mod
+from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config import model_facts
@@ -287,6 +288,7 @@ def _print_dry_run(r: Resolved) -> None:
     cfg, raw, plan, run_dir, spec = r.cfg, r.raw, r.plan, r.run_dir, r.spec
     print(f"== plan: topology {cfg.topology.name} ({cfg.topology.executor}, {len(plan.nodes)} node(s))")
     print(plan.describe())
+    print(memory.plan_memory(cfg, plan).describe())
     print(f"\n== resolved config (would be written to {run_dir}/config.yaml)")
     print(config_mod.to_yaml(run_dir_mod.resolved(raw, run_dir)).rstrip())
     for e in r.on_submission:  # files that are not on this machine (model, data, reward)

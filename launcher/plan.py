@@ -185,9 +185,11 @@ def trainer_options(plan: Plan, rank: int) -> dict:
 
 def generator_options(plan: Plan, engine: int) -> dict:
     """The engine actor sits on the engine's first node. On cuda a TP=1 engine runs its one vLLM
-    worker in the actor's process and takes that GPU. A TP>1 engine (one node or several, as
-    ultra_6n4g's TP8 over 2 nodes) takes no GPU itself: its vLLM workers take one each, in the
-    placement group of `engine_bundles`, which the actor is started in (its bundle 0)."""
+    worker in the actor's process ("uni" executor) and takes that GPU. A TP>1 engine (one node or
+    several, as ultra_6n4g's TP8 over 2 nodes) takes no GPU itself: RayExecutorV2 runs the engine's
+    driver side in the actor and needs no GPU there (initialize_ray_cluster with
+    require_gpu_on_driver=False); its vLLM workers take one each, in the placement group of
+    `engine_bundles`, which the actor is started in (its bundle 0)."""
     nodes = plan.engine_nodes(engine)
     workers_here = sum(1 for n in plan.nodes if n.index == nodes[0] for e, _ in n.generation_workers if e == engine)
     opts: dict = {"num_cpus": 0,
@@ -199,12 +201,15 @@ def generator_options(plan: Plan, engine: int) -> dict:
 
 def engine_bundles(plan: Plan, engine: int) -> list[dict] | None:
     """cuda, TP>1: the placement group a TP>1 engine's actor starts in (bundle 0) and vLLM's Ray
-    executor then takes as its own (it uses the current placement group:
-    vllm/v1/executor/ray_utils.py initialize_ray_cluster): one {GPU: 1} bundle per vLLM worker in
-    tp_rank order, each pinned to the node the plan gives that worker (`node_<i>`); bundle 0 also
-    holds the actor's own resources (generator_options). Unpinned, vLLM would pack its group onto
-    whichever GPUs are free when the engine starts, a training node's included when the trainers
-    (started at the same time) have not claimed theirs yet. None where vLLM makes no group."""
+    executor (RayExecutorV2, vLLM 0.32's default) then takes as its own (it uses the current
+    placement group: vllm/v1/executor/ray_utils.py initialize_ray_cluster): one {GPU: 1} bundle per
+    vLLM worker in tp_rank order, each pinned to the node the plan gives that worker (`node_<i>`);
+    bundle 0 also holds the actor's own resources (generator_options). The engine sets
+    VLLM_RAY_BUNDLE_INDICES=0..TP-1 (workers.generator.actor), so vLLM's worker rank r is the one in
+    bundle r: without it RayExecutorV2 ranks the actor's node first and the others by Ray node id,
+    which is this order for two nodes only. Unpinned, vLLM would pack its group onto whichever GPUs
+    are free when the engine starts, a training node's included when the trainers (started at the
+    same time) have not claimed theirs yet. None where vLLM makes no group."""
     if plan.device != "cuda" or plan.generation_tp == 1:
         return None
     where = {rank: n.index for n in plan.nodes for e, rank in n.generation_workers if e == engine}

@@ -57,6 +57,7 @@ class Topology:
     gpus_per_node: int = 0
     cpus_per_node: Optional[int] = None
     colocate_roles: bool = False
+    gpu_memory_gib: float = 184.0   # per GPU, for the memory plan (launcher.memory); GB200: 186 GB, CUDA reports ~185 GiB
     train: TrainRole = field(default_factory=TrainRole)
     generation: GenerationRole = field(default_factory=GenerationRole)
 
@@ -109,6 +110,17 @@ BUILTIN_MODELS: dict[str, dict] = {
 
 
 @dataclass
+class ParameterCounts:
+    """`model.size`: what the memory plan (launcher.memory) reads when the checkpoint is not on this
+    machine (a dry run for a cluster); with model.path here its safetensors headers say it all."""
+
+    parameters: Optional[int] = None          # every weight
+    expert_parameters: Optional[int] = None   # of which routed experts
+    moe_layers: Optional[int] = None          # layers with routed experts (null: num_layers when there are experts)
+    attention_layers: Optional[int] = None    # layers with a KV cache (null: num_layers)
+
+
+@dataclass
 class Model:
     name: str = "tiny_llama"
     path: Optional[str] = None
@@ -122,6 +134,7 @@ class Model:
     head_dim: int = 32
     num_experts: int = 0
     moe_router_topk: int = 0   # experts per token (0: dense)
+    size: ParameterCounts = field(default_factory=ParameterCounts)
 
 
 @dataclass
@@ -249,6 +262,7 @@ class Refit:
     mode: str = "merged"
     bucket_mb: int = 256
     transport: str = "auto"
+    timeout_s: float = 600.0   # the broadcast group's collectives (trainer rank 0 and every vLLM worker)
 
 
 @dataclass
@@ -297,7 +311,9 @@ class Vllm:
     dtype: str = "float32"
     max_model_len: int = 512
     enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.6       # GPU only
+    # GPU only: vLLM's share of a GPU (weights, activations, KV cache). The rest holds what refit allocates
+    # once the KV cache exists (buckets, one layer's weights in a merged refit): launcher.memory plans both
+    gpu_memory_utilization: float = 0.8
     kv_cache_memory_bytes: int = 64 * 2**20   # CPU only: a small KV cache, a fast start
     max_lora_rank: int = 16                   # refit.mode=adapter; vLLM allows 1,8,16,32,64,128,256,320,512
 

@@ -10,7 +10,7 @@ filesystem this machine does not see).
 from __future__ import annotations
 
 
-from launcher import paths
+from launcher import memory, paths
 from launcher import plan as plan_mod
 from launcher.config import model_facts
 from launcher.config import ranges
@@ -49,6 +49,8 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
                                                              "or set logging.wandb_project=null"))
     if cfg.run.job not in JOBS:
         errs.append(ConfigError("run.job", f"must be one of {', '.join(JOBS)}, got {cfg.run.job!r}"))
+    if not errs:  # last: the memory plan assumes every rule above holds
+        errs += memory.check(cfg, plan_mod.build(cfg.topology))
     return errs
 
 
@@ -205,6 +207,11 @@ def _refit_and_vllm(cfg: Config) -> list[ConfigError]:
         errs.append(ConfigError("refit.transport", f"must be one of {', '.join(TRANSPORTS)}, got {r.transport!r}"))
     elif r.transport == "nccl" and cfg.topology.device != "cuda":
         errs.append(ConfigError("refit.transport", "nccl needs topology.device=cuda; on cpu use auto, ray or gloo"))
+    elif r.transport == "ray" and cfg.topology.device == "cuda" and cfg.topology.generation.tensor_parallel > 1:
+        errs.append(ConfigError("refit.transport", "ray cannot feed a TP>1 engine on cuda: vLLM's RayExecutorV2 "
+                                                   "passes refit specs to its workers through a message queue, "
+                                                   "where Ray pins each bucket's object ref for the worker's "
+                                                   "lifetime (a leak every refit); use auto (nccl) or gloo"))
     if v.max_lora_rank not in VLLM_LORA_RANKS:
         errs.append(ConfigError("vllm.max_lora_rank", f"vLLM allows {', '.join(map(str, VLLM_LORA_RANKS))}; "
                                                       f"got {v.max_lora_rank}"))

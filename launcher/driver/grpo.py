@@ -78,7 +78,8 @@ class GrpoRun:
                             ("vLLM engines: process start, engine up, warm-up generate", took[1])]
                            + actor_parts(requested, self.trainers.infos, "trainer rank")
                            + actor_parts(requested, self.generators.infos, "vLLM engine"), concurrent=True)
-        transport = refit.connect(self.trainers, self.generators, cfg.refit.transport, cfg.topology.device)
+        transport = refit.connect(self.trainers, self.generators, cfg.refit.transport, cfg.topology.device,
+                                  timeout_s=cfg.refit.timeout_s)
         self.startup.mark("refit transport set up")
         log(f"actors up in {time.time() - t0:.1f}s; refit {cfg.refit.mode} over {transport}")
         print(self.trainers.peft_statistics, flush=True)

@@ -4,11 +4,16 @@ On the same nodes and placement as the real run, node 0 starts one probe per nod
 (`python -m launcher.driver.preflight probe`, through `srun --overlap` inside the job, or as a
 subprocess with the local executor) before Ray starts, so that a node that cannot see the run
 directory (whose job task therefore never starts) is still probed and named. Each probe reports
-its hostname, GPUs visible vs planned, driver / CUDA / torch / vLLM versions, a hash of the installed
-package versions, whether it reads the file node 0 wrote in the run directory and can write its
-own there (node 0 then reads it), whether `model.path` and the checkpoint directory are readable /
-writable, and the free disk in the run directory; then all probes run one all-reduce (NCCL on cuda,
-gloo on cpu) whose result is checked and whose bus bandwidth is measured. A table is printed (and
+its hostname, GPUs visible vs planned (and their memory vs `topology.gpu_memory_gib`, the memory
+plan's), driver / CUDA / torch / vLLM versions, a hash of the installed package versions, whether
+the imports its roles need work (`build_needs`: on a training node what the model's build needs,
+e.g. Transformer Engine, mamba_ssm and causal_conv1d for Nemotron-H on cuda; on a generation node
+the vLLM executor class the engine runs), which optional fusion kernels import (a training node
+that differs from the others would build another model: workers.trainer.kernels), whether it reads
+the file node 0 wrote in the run directory and can write its own there (node 0 then reads it),
+whether `model.path` and the checkpoint directory are readable / writable, and the free disk in the
+run directory; then all probes run one all-reduce (NCCL on cuda, gloo on cpu) whose result is
+checked and whose bus bandwidth is measured. A table is printed (and
 written to RUN/preflight.txt, RUN/preflight.json) with one line per problem; any problem raises
 PreflightFailed, so the job exits non-zero. With no problem the Ray cluster then forms and the
 placement smoke runs (launcher.driver.smoke), as for the real run.
@@ -92,6 +97,34 @@ def _writable_dir(path: Path) -> None:
     probe.unlink()
 
 
+def build_needs(cfg: Config, plan: plan_mod.Plan) -> dict[str, list[list[str]]]:
+    """role -> [[import ("module" or "module:Attribute"), why], ...]: what the run's actors import on
+    a node of that role, beyond what every node has (torch, the package itself)."""
+    from workers.generator.actor import GeneratorConfig
+    from workers.trainer import kernels
+
+    train: list[list[str]] = []
+    if plan.device == "cuda" and cfg.model.family == "nemotron_h":
+        train += [[kernels.TRANSFORMER_ENGINE, "the Nemotron-H layer spec (megatron's hybrid stack is built from TE "
+                                               "modules)"],
+                  ["mamba_ssm", "megatron's Mamba mixer (\"MambaSSM is not installed\" at build)"],
+                  ["causal_conv1d", "the Mamba layers' fused conv1d (mamba_ssm's training path calls it)"]]
+    executor = GeneratorConfig(model="-", device=plan.device, tensor_parallel=plan.generation_tp).executor_class()
+    module, _, cls = executor.rpartition(".")
+    return {"train": train, "generation": [[f"{module}:{cls}", "the vLLM executor the engine runs"]]}
+
+
+def _imports(needs: list[list[str]]) -> dict[str, str]:
+    from workers.trainer import kernels
+
+    return {need: kernels.importable(need) for need, _ in needs}
+
+
+def _gpu_memory_gib(torch) -> float:
+    return round(min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+                 / 2**30, 1)
+
+
 def probe(args: dict) -> dict:
     """Everything one node can say about itself (runs on that node)."""
     import torch
@@ -99,7 +132,18 @@ def probe(args: dict) -> dict:
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     device = args["device"]
     r: dict = {"host": host, "hostname": socket.gethostname(), "pid": os.getpid()}
+    trains = host in args["train_hosts"] or socket.gethostname() in args["train_hosts"]
+    generates = host in args.get("generation_hosts", ()) or socket.gethostname() in args.get("generation_hosts", ())
+    needs = args.get("needs", {})
+    r["imports"] = _imports((needs.get("train", []) if trains else []) + (needs.get("generation", []) if generates
+                                                                          else []))
+    r["kernels"] = {}
+    if device == "cuda" and trains:
+        from workers.trainer import kernels
+
+        r["kernels"] = kernels.report()
     if device == "cuda" and torch.cuda.is_available():
+        r["gpu_memory_gib"] = _gpu_memory_gib(torch) if torch.cuda.device_count() else None
         r["gpus"] = torch.cuda.device_count()
         r["gpu_check"] = _try(lambda: [torch.ones(64, 64, device=f"cuda:{i}").matmul(torch.ones(64, 64, device=f"cuda:{i}"))
                                        .sum().item() for i in range(torch.cuda.device_count())])
@@ -139,8 +183,7 @@ def probe(args: dict) -> dict:
         r["model"] = _try(lambda: (os.listdir(model), (model / "config.json").open("rb").read(1)))
     else:
         r["model"] = _try(lambda: _writable_dir(model))   # built by node 0 at the start of the run
-    r["checkpoint_dir"] = _try(lambda: _writable_dir(Path(args["checkpoint_dir"]))) \
-        if host in args["train_hosts"] or socket.gethostname() in args["train_hosts"] else "-"
+    r["checkpoint_dir"] = _try(lambda: _writable_dir(Path(args["checkpoint_dir"]))) if trains else "-"
     return r
 
 
@@ -266,6 +309,8 @@ def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
             "model_dir": str(model), "model_must_exist": bool(cfg.model.path),
             "checkpoint_dir": str(checkpoint_dirs(cfg, run_dir)),
             "train_hosts": [ctx.hostnames[n.index] for n in plan.nodes if n.train_ranks],
+            "generation_hosts": [ctx.hostnames[n.index] for n in plan.nodes if n.generation_workers],
+            "needs": build_needs(cfg, plan),
             "world": len(ctx.hostnames), "timeout_s": 60,
             "master": f"{resolve_ip(ctx.hostnames[0])}:{free_port()}"}
     log(f"preflight: probing {len(ctx.hostnames)} node(s): {', '.join(ctx.hostnames)}")
@@ -308,6 +353,9 @@ def _last_line(text: str) -> str:
 def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, nonce: str) -> list[str]:
     problems = []
     ref = None
+    needs = build_needs(cfg, plan)
+    why = {need: reason for role in needs.values() for need, reason in role}
+    kernel_ref = None
     for i, host in enumerate(ctx.hostnames):
         name = f"node {i} ({host})"
         r = nodes.get(host)
@@ -323,6 +371,23 @@ def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, 
             problems.append(f"{name}: sees {r['gpus']} GPU(s), the plan needs {planned} (topology.gpus_per_node)")
         if r["gpu_check"] != "ok":
             problems.append(f"{name}: GPU check failed: {r['gpu_check']}")
+        memory = r.get("gpu_memory_gib")
+        if memory is not None and memory < cfg.topology.gpu_memory_gib:
+            problems.append(f"{name}: its GPUs have {memory:g} GiB, the memory plan assumes {cfg.topology.gpu_memory_gib:g} "
+                            f"(topology.gpu_memory_gib)")
+        for need, status in r.get("imports", {}).items():
+            if status != "ok":
+                problems.append(f"{name}: cannot import {need.replace(':', '.')} ({why.get(need, 'needed by the run')}): "
+                                f"{status}")
+        kernels_here = {k: v == "ok" for k, v in r.get("kernels", {}).items()}
+        if kernels_here and kernel_ref is None:
+            kernel_ref = (i, host, kernels_here)
+        elif kernels_here:
+            differ = sorted(k for k in kernels_here if kernels_here[k] != kernel_ref[2].get(k, kernels_here[k]))
+            for k in differ:
+                here = "imports here" if kernels_here[k] else "does not import here"
+                problems.append(f"{name}: {k.replace(':', '.')} {here}, unlike on node {kernel_ref[0]} ({kernel_ref[1]}): "
+                                f"its trainer ranks would build other fusions (workers/trainer/kernels.py)")
         if r["run_dir_read"] != "ok":
             problems.append(f"{name}: cannot see the run directory {ctx.run_dir} (the file node 0 wrote: "
                             f"{r['run_dir_read']})")
@@ -355,7 +420,7 @@ def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, 
 
 def format_table(report: dict) -> str:
     head = (f"{'node':<5} {'host':<16} {'GPUs vis/plan':<14} {'driver':<10} {'CUDA':<6} {'torch':<14} "
-            f"{'vLLM':<14} {'packages':<13} {'run dir r/w/seen':<17} {'model':<6} {'ckpt':<5} free GiB")
+            f"{'vLLM':<14} {'packages':<13} {'run dir r/w/seen':<17} {'model':<6} {'ckpt':<5} {'imports':<8} free GiB")
     lines = [f"== preflight of job {report['job']} ({report['device']}, {len(report['hosts'])} node(s), "
              f"{report.get('seconds', '?')}s)", head]
     ok = lambda v: "ok" if v == "ok" else ("-" if v == "-" else "FAIL")  # noqa: E731
@@ -366,7 +431,7 @@ def format_table(report: dict) -> str:
         rw = f"{ok(r['run_dir_read'])}/{ok(r['run_dir_write'])}/{ok(r['seen_by_node0'])}"
         lines.append(f"{r['index']:<5} {r['host']:<16} {str(r['gpus']) + '/' + str(r.get('planned', '')):<14} "
                      f"{r['driver']:<10} {r['cuda']:<6} {r['torch']:<14} {r['vllm']:<14} {r['packages_hash']:<13} "
-                     f"{rw:<17} {ok(r['model']):<6} {ok(r['checkpoint_dir']):<5} {r['free_gib']}")
+                     f"{rw:<17} {ok(r['model']):<6} {ok(r['checkpoint_dir']):<5} {_imports_cell(r):<8} {r['free_gib']}")
     nets = list(report["net"].values())
     good = [n for n in nets if n.get("ok")]
     if good:
@@ -377,6 +442,11 @@ def format_table(report: dict) -> str:
     lines.append(f"{len(report['problems'])} problem(s)" + (":" if report["problems"] else ""))
     lines += [f"PROBLEM: {p}" for p in report["problems"]]
     return "\n".join(lines)
+
+
+def _imports_cell(r: dict) -> str:
+    imports = r.get("imports", {})
+    return "-" if not imports else "ok" if all(v == "ok" for v in imports.values()) else "FAIL"
 
 
 # ------------------------------------------------------------------------------ the driver's job

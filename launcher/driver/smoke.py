@@ -3,12 +3,14 @@ have landed on the node the plan names (the launcher's own health check).
 
 A TP>1 engine on cuda (ultra_6n4g: TP 8 over two nodes) has vLLM workers besides its actor: the
 actor starts in bundle 0 of the placement group of plan.engine_bundles (one-GPU bundles pinned to
-the workers' planned nodes), which vLLM's Ray executor takes as its own, one worker per bundle,
-ranked actor's node first, then nodes with fewer workers, then by IP (ray_executor.py
-_init_workers_ray). The smoke makes the same group and puts one probe in each bundle, before the
-trainer probes claim their GPUs (the real run starts both at once: the pinning, not the order,
-must keep the workers off the training nodes), and checks every (engine, tp_rank) against the
-plan. It also records the GPUs each Ray node offers and checks them against the plan on cuda."""
+the workers' planned nodes), which vLLM's RayExecutorV2 takes as its own, one worker per bundle;
+the engine pins its ranking to the bundle order (VLLM_RAY_BUNDLE_INDICES=0..TP-1, see
+workers.generator.actor), so worker rank r is the one in bundle r (ray_executor_v2.py
+get_bundles_for_indices; unpinned it would rank the actor's node first and the others by Ray node
+id). The smoke makes the same group and puts one probe in each bundle, before the trainer probes
+claim their GPUs (the real run starts both at once: the pinning, not the order, must keep the
+workers off the training nodes), and checks every (engine, tp_rank) against the plan. It also
+records the GPUs each Ray node offers and checks them against the plan on cuda."""
 
 from __future__ import annotations
 
@@ -62,12 +64,6 @@ def run(plan: plan_mod.Plan, hostnames: list[str], out: Path) -> dict:
             ray.util.remove_placement_group(pg)
         raise RuntimeError(f"not every trainer, engine and vLLM worker was placed within 120s; the cluster has "
                            f"{ray.available_resources()} free") from None
-    for start in range(0, len(worker_specs), max(plan.generation_tp, 1)):  # vLLM's rank order, per engine
-        part = slice(start, start + plan.generation_tp)
-        engine_ip = infos[plan.train_world + start // plan.generation_tp]["ip"]
-        order = _vllm_rank_order(worker_infos[part], engine_ip)
-        worker_actors[part] = [worker_actors[part][b] for b in order]
-        worker_infos[part] = [worker_infos[part][b] for b in order]
     specs, actors, infos = specs + worker_specs, actors + worker_actors, infos + worker_infos
     report = {"seconds": round(time.time() - t0, 2), "actors": [], "nodes": _ray_nodes(ray, plan, hostnames)}
     wrong = []
@@ -90,24 +86,14 @@ def run(plan: plan_mod.Plan, hostnames: list[str], out: Path) -> dict:
 
 
 def _vllm_workers(probe, plan: plan_mod.Plan, engine: int, pg):
-    """A probe per vLLM worker of a TP>1 engine, one per bundle of its group, as vLLM's Ray executor
-    places its workers (the first tp bundles with a GPU, in bundle order)."""
+    """A probe per vLLM worker of a TP>1 engine, one per bundle of its group, as RayExecutorV2 places
+    them with the engine's VLLM_RAY_BUNDLE_INDICES (worker rank r in bundle r, one GPU each)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     actors = [probe.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=b)).remote() for b in range(plan.generation_tp)]
     planned = {rank: n.index for n in plan.nodes for e, rank in n.generation_workers if e == engine}
     return [("vllm_worker", f"{engine}:{rank}", planned[rank], {}) for rank in range(plan.generation_tp)], actors
-
-
-def _vllm_rank_order(infos: list[dict], engine_ip: str) -> list[int]:
-    """vLLM's ranks of the workers in bundles 0..: the engine's node first, then nodes with fewer
-    workers, then by IP (compared as strings)."""
-    per_ip: dict = {}
-    for info in infos:
-        per_ip[info["ip"]] = per_ip.get(info["ip"], 0) + 1
-    return sorted(range(len(infos)), key=lambda b: (infos[b]["ip"] != engine_ip, per_ip[infos[b]["ip"]],
-                                                    infos[b]["ip"]))
 
 
 def _ray_nodes(ray, plan: plan_mod.Plan, hostnames: list[str]) -> list[dict]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
@@ -166,7 +167,7 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
                   f"{run_dir / 'abandoned' / aside.name} (nothing deleted)", file=sys.stderr)
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     config_mod.save(resolved(raw, run_dir), run_dir / "config.yaml")
-    (run_dir / "plan.txt").write_text(plan.describe() + "\n")
+    (run_dir / "plan.txt").write_text(plan.describe() + "\n" + memory.plan_memory(cfg, plan).describe() + "\n")
     for f in ("config.yaml", "plan.txt"):
         (run_dir / f).chmod(paths.file_mode(cfg))
     if spec is not None:

@@ -19,3 +19,6 @@ class RecordingGenerator(VllmGenerator):
 
     def refit_recorded(self) -> dict:
         return self.llm.collective_rpc("refit_recorded")[0]
+
+    def refit_rename(self, name: str | None, new_name: str | None = None) -> None:
+        self.llm.collective_rpc("refit_rename", args=(name, new_name))

@@ -1,14 +1,17 @@
 """Placement of vLLM engines on cuda, on a real Ray cluster with declared (fake) GPUs.
 
 A TP>1 engine's actor starts as GeneratorGroup starts it: `plan.generator_options` inside bundle 0
-of the placement group of `plan.engine_bundles` (workers.generator.placement). From inside the
-actor, vLLM's Ray executor's steps are taken as vllm/v1/executor/ray_utils.py
-`initialize_ray_cluster` (with a current placement group) and ray_executor.py take them: the
-current group is found, it has TP one-GPU bundles, the actor's node is in it, and one worker per
-bundle (num_gpus=1) is placed. The engines start before the trainers (the real run starts both at
-once); the trainers (one GPU each) must still find theirs. Ray runs in a subprocess of its own
-(`ray.init(address="local", num_gpus=...)`: GPUs declared, none needed). The pinning of bundles to
-the planned nodes is checked on the multi-node Slurm cluster (tests/slurm/test_ultra_placement.py)."""
+of the placement group of `plan.engine_bundles` (workers.generator.placement), with the environment
+the engine sets (GeneratorConfig.engine_env). From inside the actor, the steps of vLLM 0.32's
+default Ray executor, RayExecutorV2 (vllm/v1/executor/ray_executor_v2.py _init_executor), are
+taken: `initialize_ray_cluster(require_gpu_on_driver=False)`'s checks of the current group (found,
+one-GPU bundles, TP of them; the actor itself needs no GPU), the worker ranking by vLLM's own
+`get_bundles_for_indices` with the engine's VLLM_RAY_BUNDLE_INDICES (rank r in bundle r), and one
+worker per bundle (num_gpus=1, that bundle). The engines start before the trainers (the real run
+starts both at once); the trainers (one GPU each) must still find theirs. Ray runs in a subprocess
+of its own (`ray.init(address="local", num_gpus=...)`: GPUs declared, none needed). The pinning of
+bundles to the planned nodes is checked on the multi-node Slurm cluster
+(tests/slurm/test_ultra_placement.py)."""
 
 from __future__ import annotations
 
@@ -46,38 +49,47 @@ class Holder:
 
 @ray.remote
 class Engine:
-    def __init__(self, tp):
+    def __init__(self, tp, env):
+        import os
         self.tp = tp
+        os.environ.update(env)  # what VllmGenerator does before it builds the engine
 
     def vllm_executor_placement(self):
-        # vllm/v1/executor/ray_utils.py initialize_ray_cluster with a current placement group
-        from ray.util.placement_group import placement_group_table
+        # vllm/v1/executor/ray_utils.py initialize_ray_cluster(require_gpu_on_driver=False), current group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        import vllm.envs as envs
+        from vllm.v1.executor import ray_utils
         pg = ray.util.get_current_placement_group()
         if pg is None:
             return {"placed": False, "why": "no current placement group: vLLM would make its own"}
         gpu_bundles = [b for b in pg.bundle_specs if b.get("GPU", 0)]
         if len(gpu_bundles) < self.tp or any(b["GPU"] > 1 for b in gpu_bundles):
             return {"placed": False, "why": f"bundles {pg.bundle_specs}"}
-        me = ray.get_runtime_context().get_node_id()
-        if me not in placement_group_table(pg)["bundles_to_node_id"].values():
-            return {"placed": False, "why": "the actor's node is not in its group"}
-        # ray_executor.py: the first tp bundles with a GPU, one worker each
-        workers = [Holder.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=b, placement_group_capture_child_tasks=True)).remote()
-            for b in range(self.tp)]
-        gpus = ray.get([w.ok.remote() for w in workers], timeout=30)
+        # ray_executor_v2.py step 2: the ranking (pinned by the engine's VLLM_RAY_BUNDLE_INDICES)
+        if not envs.VLLM_RAY_BUNDLE_INDICES:
+            return {"placed": False, "why": "VLLM_RAY_BUNDLE_INDICES unset: vLLM ranks by Ray node id"}
+        ranked = ray_utils.get_bundles_for_indices(pg, list(map(int, envs.VLLM_RAY_BUNDLE_INDICES.split(","))),
+                                                   self.tp)
+        # step 4: one worker per bundle, num_gpus=VLLM_RAY_PER_WORKER_GPUS (1), in that bundle
+        workers = [Holder.options(num_cpus=0, num_gpus=envs.VLLM_RAY_PER_WORKER_GPUS,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                      placement_group=pg, placement_group_bundle_index=b)).remote()
+                   for b, _, _ in ranked]
+        gpus = ray.get([w.ok.remote() for w in workers], timeout=60)
         return {"placed": True, "why": "", "gpus_held_by_actor": len(ray.get_gpu_ids()),
+                "rank_bundles": [b for b, _, _ in ranked], "v2": envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND,
                 "worker_gpus": sorted(g for w in gpus for g in w)}
 
+from workers.generator.actor import GeneratorConfig
 from workers.generator.placement import in_placement_group
 opts = [P.generator_options(plan, e) for e in range(plan.engines)]
 bundles = [P.engine_bundles(plan, e) for e in range(plan.engines)]
+env = GeneratorConfig(model="m", device="cuda", tensor_parallel=plan.generation_tp).engine_env()
 engines = []
 for o, b in zip(opts, bundles):
     if b:
         o = {**o, **in_placement_group(b)[1]}
-    engines.append(Engine.options(**o).remote(plan.generation_tp))
+    engines.append(Engine.options(**o).remote(plan.generation_tp, env))
 trainers = [Holder.options(**P.trainer_options(plan, r)).remote() for r in range(plan.train_world)]
 out = [ray.get(e.vllm_executor_placement.remote(), timeout=90) for e in engines]
 trainer_gpus = ray.get([a.ok.remote() for a in trainers], timeout=60)
@@ -106,6 +118,7 @@ def test_tp_engine_starts_in_the_placement_group_its_vllm_workers_take(gen):
                for bs in r["bundles"] for i, b in enumerate(bs))  # pinned to the generation node
     engines = r["engines"]
     assert [(e["placed"], e["why"], e["gpus_held_by_actor"]) for e in engines] == [(True, "", 0)] * gen["engines"], r
+    assert all(e["v2"] and e["rank_bundles"] == list(range(gen["tensor_parallel"])) for e in engines), engines
     workers = [g for e in engines for g in e["worker_gpus"]]
     assert len(workers) == 4 and len(r["trainer_gpus"]) == 4  # 8 GPUs, each taken once
     assert sorted(map(int, workers + r["trainer_gpus"])) == list(range(8))

@@ -313,3 +313,47 @@ def test_broadcast_transport_gloo_through_actors(engines, trainers, model_dir):
     finally:
         trainers.close_refit_group()
         engines.transport = "ray"
+
+
+def test_a_workers_loader_error_ends_the_broadcast_refit_naming_it(trainers, model_dir):
+    """Two engines join trainer rank 0's gloo group; engine 1's vLLM loader fails on one tensor. It
+    reads the rest of the refit, so the sender and engine 0 finish (engine 0 with every weight) and
+    the error names the worker and the tensor; each ray.get has a timeout far below the group's
+    (a hang guard: without the drain all three would wait for the group's collectives). Both sides
+    took refit.timeout_s from connect(). After a loader error an engine's model is half reloaded
+    (vLLM's layerwise reload has no rollback): the run ends there, so these engines are the test's own."""
+    import ray
+
+    from workers.refit.transports import BroadcastTransport
+
+    slot = {"resources": {"generation_slot": 0.25}, "num_cpus": 0.25}
+    group = GeneratorGroup(recording_config(model=model_dir, kv_cache_memory_bytes=32 * 2**20), [slot, slot],
+                           ready_timeout_s=300, actor_cls=RecordingGenerator)
+    bad = "model.layers.1.self_attn.o_proj.weight"
+    try:
+        assert refit.connect(trainers, group, "gloo", "cpu", timeout_s=900) == "gloo"
+        timeouts = [ray.get(trainers.actors[0].__ray_call__.remote(lambda t: t.refit_sender.transport.group.timeout_s))]
+        timeouts += ray.get([a.__ray_call__.remote(lambda g: g.llm.collective_rpc(
+            lambda w: w._refit_receivers()["broadcast"].group.timeout_s)[0]) for a in group.actors])
+        assert timeouts == [900, 900, 900]
+        group.call("refit_record", True)
+        ray.get(group.actors[1].refit_rename.remote(bad, bad + "_not_in_the_model"))
+        train_step(trainers, engines=group)
+        senders = [a.refit_payload.remote("merged", 0.05) for a in trainers.actors]
+        received = group.start_refit(BroadcastTransport.expect("merged"))
+        payload = ray.get(senders[0], timeout=120)
+        assert payload.transport == "broadcast" and payload.tensors > 10
+        assert ray.get(received[0], timeout=120)["buckets"] > 1
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:
+            ray.get(received[1], timeout=120)
+        from workers.trainer.group import task_error_line
+
+        line = task_error_line(failed.value)
+        assert line.startswith("RefitError: vLLM worker 0 (") and f"failed in the merged refit at {bad!r}: " in line
+        assert "_not_in_the_model" in line, line  # vLLM's own loader error, in the same line
+        written = ray.get(group.actors[0].refit_recorded.remote())
+        assert written.keys() == dict(merged_state(trainers)).keys()
+        assert all(torch.equal(t, written[n]) for n, t in merged_state(trainers).items())
+    finally:
+        trainers.close_refit_group()
+        group.shutdown()

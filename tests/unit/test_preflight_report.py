@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,52 @@ def test_probe_lines_stay_short_and_survive_interleaving(capsys):
     got = {r["host"]: r for r in preflight._records("srun: warning\n" + "\n".join(mixed[::-1]))}
     assert got == {"gpu-a": a, "gpu-b": b}
     assert preflight._records("\n".join(lines_a[:-1])) == []        # a lost piece: no record
+
+
+def test_the_build_needs_of_the_reference_recipe_and_of_a_cpu_run():
+    cfg = typed(compose.compose(["topology=ultra_6n4g"]))
+    needs = preflight.build_needs(cfg, plan_mod.build(cfg.topology))
+    assert [n for n, _ in needs["train"]] == ["transformer_engine.pytorch", "mamba_ssm", "causal_conv1d"]
+    assert needs["generation"] == [["vllm.v1.executor.ray_executor_v2:RayExecutorV2",
+                                    "the vLLM executor the engine runs"]]
+    cfg = typed(compose.compose(["topology=slurm_3n"]))
+    needs = preflight.build_needs(cfg, plan_mod.build(cfg.topology))
+    assert needs == {"train": [], "generation": [["vllm.v1.executor.uniproc_executor:UniProcExecutor",
+                                                  "the vLLM executor the engine runs"]]}
+
+
+def test_a_real_probe_imports_what_its_roles_need_and_each_failure_is_a_problem_line(setup):
+    """A generation node (gpu-c) that lacks a package and one whose executor class is missing."""
+    cfg, plan, ctx, _, folder = setup
+    args = {"device": "cpu", "run_dir": str(ctx.run_dir), "token_file": str(folder / "node0.txt"), "nonce": "abc",
+            "model_dir": str(folder), "model_must_exist": False, "checkpoint_dir": str(folder), "train_hosts": [],
+            "generation_hosts": [socket.gethostname()], "world": 1, "timeout_s": 30, "master": "127.0.0.1:1",
+            "needs": {"train": [["mamba_ssm", "not asked: this node does not train"]],
+                      "generation": [["json:JSONDecoder", "present"], ["no_such_executor_pkg:Executor", "missing"]]}}
+    real = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.driver import "
+                                      "preflight; print(json.dumps(preflight.probe(json.loads(sys.argv[1]))))",
+                                      json.dumps(args)], capture_output=True, text=True, check=True,
+                                     cwd=str(Path(__file__).resolve().parents[2])).stdout)
+    assert real["imports"]["json:JSONDecoder"] == "ok" and "mamba_ssm" not in real["imports"]
+    assert real["imports"]["no_such_executor_pkg:Executor"].startswith("ModuleNotFoundError: No module named")
+    nodes = nodes_like(setup[3], setup[4])
+    nodes["gpu-c"]["imports"] = {"vllm.v1.executor.uniproc_executor:UniProcExecutor":
+                                 real["imports"]["no_such_executor_pkg:Executor"]}
+    p = judge(setup, nodes)["problems"]
+    assert p == ["node 2 (gpu-c): cannot import vllm.v1.executor.uniproc_executor.UniProcExecutor (the vLLM executor "
+                 "the engine runs): ModuleNotFoundError: No module named 'no_such_executor_pkg'"]
+    table = preflight.format_table({**judge(setup, nodes), "seconds": 1.0})
+    assert [ln.split()[-2] for ln in table.splitlines()[2:5]] == ["-", "-", "FAIL"]
+
+
+def test_training_nodes_with_other_fusion_kernels_or_smaller_gpus_are_named(setup):
+    nodes = nodes_like(setup[3], setup[4])
+    for h in HOSTS:
+        nodes[h]["kernels"] = {"fused_weight_gradient_mlp_cuda": "ok", "transformer_engine.pytorch": "ok"}
+        nodes[h]["gpu_memory_gib"] = 185.0
+    nodes["gpu-b"]["kernels"]["fused_weight_gradient_mlp_cuda"] = "ModuleNotFoundError: No module named 'x'"
+    nodes["gpu-c"]["gpu_memory_gib"] = 79.1
+    p = judge(setup, nodes)["problems"]
+    assert p == ["node 1 (gpu-b): fused_weight_gradient_mlp_cuda does not import here, unlike on node 0 (gpu-a): its "
+                 "trainer ranks would build other fusions (workers/trainer/kernels.py)",
+                 "node 2 (gpu-c): its GPUs have 79.1 GiB, the memory plan assumes 184 (topology.gpu_memory_gib)"]

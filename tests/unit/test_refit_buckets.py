@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from tests.helpers.exports import SIZES, CountingExport, assert_bounded
 from workers.refit import wire as refit
 from workers.refit.control import resolve_transport
 from workers.refit.sender import Sender
@@ -115,41 +116,173 @@ class _Producer:
         return iter(self.named)
 
 
+BUCKET_MB = 8192 / 2**20  # 8 KiB buckets: most tensors share one, the largest travel alone
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def test_stream_buckets_closes_the_buckets_plan_buckets_plans():
+    sizes = [100, 3000, 900, 10, 5000, 64, 64, 0, 7]
+    named = [(f"t{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate(sizes)]
+    got = []
+    for bucket, chunk in refit.stream_buckets(iter(named), 1024):
+        assert [m.name for m, _ in chunk] == [n for n, _ in named[bucket.start:bucket.stop]]
+        assert refit.bucket_of([m for m, _ in chunk], bucket.start) == bucket
+        got.append(bucket)
+        chunk.clear()
+    assert got == plan_buckets(sizes, 1024)
+
+
+def group_of(world: int, *receivers, timeout_s: float = 30):
+    """Run receivers[i](BroadcastTransport joined as rank i+1) in threads; returns (sender's transport
+    opener, a join() that returns the receivers' errors)."""
+    port, errors, threads = _free_port(), [None] * len(receivers), []
+
+    def run(i, fn):
+        try:
+            fn(BroadcastTransport.join("127.0.0.1", port, rank=i + 1, world_size=world, backend="gloo",
+                                       timeout_s=timeout_s))
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors[i] = e
+
+    for i, fn in enumerate(receivers):
+        threads.append(threading.Thread(target=run, args=(i, fn)))
+        threads[-1].start()
+    sender = Sender()
+    sender.open_group("127.0.0.1", port, world_size=world, backend="gloo", timeout_s=timeout_s)
+
+    def join():
+        for t in threads:
+            t.join(timeout_s * 2)
+        sender.close_group()
+        return errors
+
+    return sender, join
+
+
+def receive_all(transport, layouts, mode="merged"):
+    incoming = transport.receive(BroadcastTransport.expect(mode).to_spec(), layouts)
+    return incoming, [(n, t.clone()) for n, t in incoming.stream]
+
+
 def test_broadcast_transport_over_gloo_sends_layout_once():
     """Sender.payload over a gloo BroadcastTransport (the cuda path with backend nccl) to one receiver."""
-    port, received, errors, sender = _free_port(), [], [], Sender()
     first = _named()
     second = [(n, t + 1 if t.is_floating_point() else t) for n, t in first]
+    received = []
 
-    def receiver():
-        try:
-            transport = BroadcastTransport.join("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout_s=60)
-            layouts = {}
-            for _ in range(2):
-                spec = BroadcastTransport.expect("merged").to_spec()
-                layout, stream, _ = transport.receive(spec, layouts)
-                received.append([(n, t.clone()) for n, t in stream])
-        except Exception as e:  # surfaced by the main thread
-            errors.append(e)
+    def receiver(transport):
+        layouts = {}
+        for _ in range(2):
+            incoming, got = receive_all(transport, layouts)
+            received.append((incoming.layout_received, incoming.layout, got))
 
-    thread = threading.Thread(target=receiver)
-    thread.start()
+    sender, join = group_of(2, receiver)
     try:
-        sender.open_group("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=60)
         p1 = sender.payload(_Producer(first), "merged", bucket_mb=0.001)
         p2 = sender.payload(_Producer(second), "merged", bucket_mb=0.001)
     finally:
-        thread.join(60)
-        sender.close_group()
-    assert not errors, errors
+        errors = join()
+    assert errors == [None]
     assert p1.transport == p2.transport == "broadcast" and p1.bytes == p2.bytes > 0
     assert p1.layout_bytes > 0 and p2.layout_bytes == 0  # (name, shape, dtype) only the first time
-    for sent, got in ((first, received[0]), (second, received[1])):
+    assert [r[0] for r in received] == [True, False]
+    assert received[0][1] == received[1][1] and received[0][1].key == p1.layout_key == p2.layout_key
+    assert len(received[0][1].buckets) > 1 and received[0][1].nbytes == p1.bytes
+    for sent, (_, _, got) in ((first, received[0]), (second, received[1])):
         assert [n for n, _ in got] == [n for n, _ in sent]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent, got))
+
+
+def test_broadcast_send_holds_one_bucket_of_the_export_first_refit_too():
+    got = []
+    sender, join = group_of(2, lambda t: [got.append(receive_all(t, layouts)[1]) for layouts in [{}] for _ in range(2)])
+    try:
+        exports = [CountingExport(SIZES, seed=s) for s in (1, 2)]
+        payloads = [sender.payload(e, "merged", bucket_mb=BUCKET_MB) for e in exports]
+    finally:
+        assert join() == [None]
+    assert payloads[0].layout_bytes > 0 and payloads[1].layout_bytes == 0  # the first refit of the kind, then not
+    for export, received in zip(exports, got):
+        assert_bounded(export, 8192)
+        assert [n for n, _ in received] == [n for n, _ in export.made]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(export.made, received))
+
+
+def test_a_receiver_that_fails_reads_the_rest_and_the_group_goes_on():
+    """Rank 1's loader fails at its 4th tensor: it drains the refit, so rank 0 and rank 2 finish,
+    and the next refit (layout known) reaches both."""
+    results = {}
+
+    def failing(transport):
+        layouts = {}
+        incoming = transport.receive(BroadcastTransport.expect("merged").to_spec(), layouts)
+        for i, (name, _) in enumerate(incoming.stream):
+            if i == 3:
+                incoming.drain()
+                results["failed_at"] = name
+                break
+        results["second"] = receive_all(transport, layouts)[1]
+
+    def healthy(transport):
+        layouts = {}
+        results["healthy"] = [receive_all(transport, layouts)[1] for _ in range(2)]
+
+    sender, join = group_of(3, failing, healthy)
+    try:
+        exports = [CountingExport(SIZES, seed=s) for s in (3, 4)]
+        payloads = [sender.payload(e, "merged", bucket_mb=BUCKET_MB) for e in exports]
+    finally:
+        assert join() == [None, None]
+    assert results["failed_at"] == "w.3" and payloads[1].layout_bytes == 0
+    for got in (results["second"], results["healthy"][1]):
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(exports[1].made, got)) and len(got) == len(SIZES)
+
+
+def test_a_sender_that_fails_is_named_by_every_receiver_and_the_next_refit_works():
+    from workers.refit.transports import RefitAborted
+
+    seen = []
+
+    def receiver(transport):
+        layouts = {}
+        with pytest.raises(RefitAborted, match="refit aborted by the sender, trainer rank 0: ValueError: export "
+                                               "failed at tensor 7"):
+            receive_all(transport, layouts)
+        seen.append(receive_all(transport, layouts)[1])
+
+    sender, join = group_of(3, receiver, receiver)
+    try:
+        with pytest.raises(ValueError, match="export failed at tensor 7"):
+            sender.payload(CountingExport(SIZES, fail_at=7), "merged", bucket_mb=BUCKET_MB)
+        good = CountingExport(SIZES, seed=5)
+        payload = sender.payload(good, "merged", bucket_mb=BUCKET_MB)
+    finally:
+        assert join() == [None, None]
+    assert payload.layout_bytes > 0  # the failed refit left no layout behind: streamed again
+    assert all(len(got) == len(SIZES) and torch.equal(got[-1][1], good.made[-1][1]) for got in seen)
+
+
+def test_a_receiver_without_the_layout_reads_the_refit_and_says_so():
+    from workers.refit.transports import RefitProtocolError
+
+    out = {}
+
+    def receiver(transport):
+        receive_all(transport, {})
+        with pytest.raises(RefitProtocolError, match="does not hold"):
+            transport.receive(BroadcastTransport.expect("merged").to_spec(), {})  # forgot its layout
+        out["third"] = receive_all(transport, {})  # a new kind of refit reaches it again
+
+    sender, join = group_of(2, receiver)
+    try:
+        for mode in ("merged", "merged"):
+            sender.payload(CountingExport(SIZES), mode, bucket_mb=BUCKET_MB)
+        sender.payload(CountingExport(SIZES), "merged", bucket_mb=2 * BUCKET_MB)  # new bucket size: streamed
+    finally:
+        assert join() == [None]
+    assert out["third"][0].layout_received and len(out["third"][1]) == len(SIZES)

@@ -5,9 +5,16 @@ vLLM engine whose engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSI
   cpu   distributed_executor_backend="uni", enforce_eager, a small kv_cache_memory_bytes: starts
         in seconds, ~1 GB, and the worker runs in this process, so refit buckets reach it by
         reference.
-  cuda  the same class with tensor_parallel_size=tensor_parallel; more than one GPU uses vLLM's
-        ray executor, whose workers may span nodes (the reference recipe: one engine, TP 8 on
-        two nodes). Written for GPUs, not runnable on this machine.
+  cuda  the same class with tensor_parallel_size=tensor_parallel. TP 1: "uni" (the worker in this
+        process, on the GPU the actor holds). TP > 1: vLLM 0.32's default Ray executor,
+        RayExecutorV2, pinned (`executor_class`, `engine_env`): its workers may span nodes (the
+        reference recipe: one engine, TP 8 on two nodes), take one GPU bundle each of the
+        placement group the actor was started in (launcher.plan.engine_bundles), see every GPU of
+        their node (no per-actor CUDA_VISIBLE_DEVICES; vLLM maps local ranks to the bundles' GPUs)
+        and get their calls through a shared-memory / TCP message queue. Its own ranking of the
+        bundles (the actor's node first, then the others by Ray node id) would not be the plan's
+        beyond two nodes; VLLM_RAY_BUNDLE_INDICES = 0..TP-1 makes worker rank r the one in bundle r,
+        which the plan pins to tp_rank r's node. Written for GPUs, not runnable on this machine.
 
 Sampling: every request gets its own SamplingParams(seed=...), so what a request samples does
 not depend on the batch it shares or the engine's history. The returned logprobs are the
@@ -34,6 +41,8 @@ from workers import cpu_shim, hf_checkpoint
 from workers.refit.transports import BroadcastTransport, RayTransport
 
 EXTENSION = "workers.refit.vllm_extension.RefitWorkerExtension"
+RAY_EXECUTOR = "vllm.v1.executor.ray_executor_v2.RayExecutorV2"  # vLLM 0.32's default for backend "ray"
+UNI_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 _GROUP_ONLY_KEYS = ("nodes", "ranks_per_node", "engines")  # topology.generation keys the group uses
 
 
@@ -65,17 +74,29 @@ class GeneratorConfig(Vllm):
             raise ValueError(f"GeneratorConfig: unknown keys {unknown}")
         return cls(model=str(model), device=device, enable_lora=(refit_mode == "adapter"), seed=seed, **values)
 
+    def executor_class(self) -> str:
+        """The vLLM executor this engine runs (module.Class): checked by the preflight on every node."""
+        return RAY_EXECUTOR if self.device != "cpu" and self.tensor_parallel > 1 else UNI_EXECUTOR
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment the engine needs before vLLM is imported (VllmGenerator sets it in its process)."""
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in this process (see VllmGenerator)
+        if self.executor_class() == RAY_EXECUTOR:
+            env["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "1"  # pinned: a site's environment cannot switch to V1
+            env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in range(self.tensor_parallel))
+        return env
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of vllm.LLM for this config."""
         kw: dict[str, Any] = dict(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                                   enforce_eager=self.enforce_eager, seed=self.seed,
-                                  logprobs_mode=self.logprobs_mode, worker_extension_cls=self.worker_extension)
+                                  logprobs_mode=self.logprobs_mode, worker_extension_cls=self.worker_extension,
+                                  distributed_executor_backend="ray" if self.executor_class() == RAY_EXECUTOR
+                                  else "uni")  # "ray": workers may live on other nodes
         if self.device == "cpu":
-            kw.update(distributed_executor_backend="uni", kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+            kw.update(kv_cache_memory_bytes=self.kv_cache_memory_bytes)
         else:
             kw.update(tensor_parallel_size=self.tensor_parallel, gpu_memory_utilization=self.gpu_memory_utilization)
-            if self.tensor_parallel > 1:
-                kw["distributed_executor_backend"] = "ray"  # workers may live on other nodes
         if self.enable_lora:
             kw.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
             outside = hf_checkpoint.lora_targets_outside_experts(self.model)
@@ -103,9 +124,9 @@ class VllmGenerator:
         if config.device == "cpu" and config.tensor_parallel != 1:
             raise ValueError("vLLM on CPU runs one in-process worker: tensor_parallel must be 1")
         # The engine core runs in this process on every device: collective_rpc then hands refit
-        # specs to the executor as Python objects (uni: by reference; ray executor: pickled, so the
-        # object-store refs of the ray transport survive), never through vLLM's msgpack IPC.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
+        # specs to the executor as Python objects (uni: by reference; RayExecutorV2: pickled into
+        # its message queue), never through vLLM's msgpack IPC. Read when vLLM builds the engine.
+        os.environ.update(config.engine_env())
         self.config = config
         import psutil
 

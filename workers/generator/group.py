@@ -80,10 +80,18 @@ class GeneratorGroup:
         return [g for chunk in ray.get(refs) for g in chunk]
 
     def apply_refit(self, payload, **kwargs) -> dict:
-        """Every engine applies `payload`; seconds is the slowest engine's."""
-        import ray
+        """Every engine applies `payload`; seconds is the slowest engine's. The first engine that
+        fails raises (workers.refit.control.wait_all)."""
+        from workers.refit.control import wait_all
 
-        results = ray.get([a.apply_refit.remote(payload, **kwargs) for a in self.actors])
+        return self.refit_summary(wait_all(self.start_refit(payload, **kwargs)))
+
+    def start_refit(self, payload, **kwargs) -> list:
+        """Every engine starts applying `payload`: one ObjectRef per engine (see refit_summary)."""
+        return [a.apply_refit.remote(payload, **kwargs) for a in self.actors]
+
+    @staticmethod
+    def refit_summary(results: list[dict]) -> dict:
         return {"seconds": max(r["seconds"] for r in results), "bytes": results[0]["bytes"],
                 "buckets": results[0]["buckets"], "layouts_fetched": sum(r["layouts_fetched"] for r in results),
                 "engines": results}

@@ -3,6 +3,9 @@
 The trainer actor holds one `Sender`. It sends through the Ray object store until the driver opens
 the broadcast group (`open_group`, on rank 0; `control.connect`), then through that group until
 `close_group`. Changing the transport forgets what was sent, so the next refit resends the layout.
+Every rank runs `payload` (the export is a collective over the model-parallel group); ranks other
+than 0 drop each exported tensor as it comes, rank 0 streams them into buckets: no rank holds the
+model's weights at once (on cuda the export stays on the GPU, workers.trainer.actor).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Iterable
 import torch
 
 from workers.lora import layout as lora_layout
-from workers.refit.transports import BroadcastTransport, RayTransport
+from workers.refit.transports import DEFAULT_TIMEOUT_S, BroadcastTransport, RayTransport
 from workers.refit.wire import RefitPayload, kind_of, lora_stream
 
 
@@ -32,8 +35,9 @@ class Sender:
         self.transport: RayTransport | BroadcastTransport = RayTransport()
 
     def open_group(self, host: str, port: int, world_size: int, backend: str = "nccl",
-                   timeout_s: float = 600.0) -> None:
-        """On trainer rank 0: host the refit group (blocks until every vLLM worker has joined)."""
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """On trainer rank 0: host the refit group (blocks until every vLLM worker has joined and
+        one warm-up broadcast went through); its collectives wait at most timeout_s."""
         self.transport = BroadcastTransport.host(host, port, world_size, backend, timeout_s)
 
     def close_group(self) -> None:

@@ -2,19 +2,40 @@
 each with its send (trainer rank 0, `sender.Sender`) and its receive (every vLLM worker,
 `vllm_extension.RefitWorkerExtension`); which one is used is decided once, by constructing it.
 
+Both stream in bounded memory: the sender packs each bucket as soon as it is closed
+(`wire.stream_buckets`) and drops its tensors before asking the export for more, so it never holds
+more than one bucket's tensors (plus the one that closed it), on the first refit too. A layout that
+had to precede the data would need the whole export first: instead it is assembled as the buckets
+go (NeMo RL runs a metadata pass of the export instead; per-bucket headers cost nothing extra).
+
   RayTransport        each bucket is `ray.put` by trainer rank 0 as a list of the tensors' bytes
                       (numpy uint8 views: one copy, into the store; no staging buffer); workers
-                      `ray.get` them (zero-copy). The layout is put once; a worker fetches it only
-                      when it lacks it (first refit, a restarted engine). The default on CPU.
+                      `ray.get` them (zero-copy). The layout is put once, after the last bucket; a
+                      worker fetches it only when it lacks it (first refit, a restarted engine). The
+                      default on CPU. (The object store holds a refit's buckets until the workers
+                      have read them: Ray spills to disk beyond `ray.object_store_mb`.)
   BroadcastTransport  a process group of trainer rank 0 + all vLLM workers (rank 0 = source),
                       rendezvous through a TCP store on rank 0's node; NCCL on cuda (as upstream),
-                      gloo on CPU (how the same code path is tested here). The layout goes in-band
-                      the first time. `control.connect()` sets it up once, from the driver.
+                      gloo on CPU (how the same code path is tested here). Created and warmed up by
+                      one broadcast when the run starts (`control.connect`), so NCCL's communicator
+                      exists before the first refit; both sides use `refit.timeout_s`.
+
+The broadcast protocol of one refit (every message is a broadcast from rank 0; a control value c
+precedes each message: c >= 0 announces a bucket of c bytes, c < 0 a JSON message of -c bytes):
+  {"open": kind, "key": K}      the receivers hold the layout K: buckets follow as announced
+  {"open": kind, "head": {...}} first refit of this kind (or a new bucket size / LoRA groups): each
+                                bucket is preceded by {"metas": [[name, shape, dtype], ...]}, and
+                                the receivers assemble the layout from them
+  {"end": n}                    after the n-th bucket; or {"error": "..."} when the sender failed
+A receiver that fails while loading keeps reading to the end of the refit (`Incoming.drain`), so
+the sender and the other workers finish and the run fails at once naming the worker and the
+tensor, instead of every process waiting for a collective until the timeout. A receiver whose
+stream meets a protocol problem drains the same way before it raises.
 
 send(mode, kind, named, groups, dim, alpha, bucket_bytes) -> RefitPayload (sender_s left to the caller).
-receive(spec, layouts) -> (layout, lazy (name, tensor) stream, whether the layout was received now);
-`layouts` is the receiver's cache (kind -> layout), updated in place. Buckets are fetched one at a
-time as the stream is consumed, so at most one bucket is resident beyond what the consumer keeps.
+receive(spec, layouts) -> Incoming(layout, lazy (name, tensor) stream, layout_received); `layouts` is
+the receiver's cache (kind -> layout), updated in place. Buckets are fetched one at a time as the
+stream is consumed, so at most one bucket is resident beyond what the consumer keeps.
 A sender's transport remembers the layouts it has sent (kind -> layout); a new instance starts fresh.
 """
 
@@ -22,15 +43,44 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from workers.refit.wire import (RefitLayout, RefitPayload, TensorMeta, aligned, kind_of, pack_bucket,
-                                unpack_bucket, unpack_tensors)
+from workers.refit.wire import (RefitLayout, RefitPayload, TensorMeta, bucket_of, kind_of, pack_bucket, stream_buckets,
+                                unpack_bucket, unpack_metas, unpack_tensors)
 
 BROADCAST_BACKENDS = ("nccl", "gloo")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class RefitAborted(RuntimeError):
+    """The sender failed during a refit (its message says why); the receivers read to its end."""
+
+
+class RefitProtocolError(RuntimeError):
+    """What arrived does not fit what this receiver holds (it read to the end of the refit first)."""
+
+
+@dataclass
+class Incoming:
+    """One refit as a receiver sees it.
+
+    layout: complete, or on the first broadcast refit of a kind its head (kind, bucket size, LoRA
+    groups, dim, alpha): the tensors are known once `stream` is exhausted, when `layout` is replaced
+    by the whole layout. stream: (name, tensor) views, a bucket fetched as it is reached."""
+
+    layout: RefitLayout
+    stream: Iterator[tuple[str, torch.Tensor]]
+    layout_received: bool
+    _drain: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    def drain(self) -> None:
+        """Read whatever this refit still has to deliver and drop it (after the consumer failed), so
+        that a collective transport's sender and other receivers finish."""
+        self._drain()
 
 
 class _Transport:
@@ -39,22 +89,7 @@ class _Transport:
     def __init__(self):
         self._sent: dict[str, tuple[RefitLayout, Any]] = {}  # sender side: kind -> (layout, its handle)
 
-    def receive(self, spec: dict, layouts: dict[str, RefitLayout]
-                ) -> tuple[RefitLayout, Iterator[tuple[str, torch.Tensor]], bool]:
-        layout, received = self._receive_layout(kind_of(spec["mode"]), spec, layouts)
-        buffers = self._receive_buckets(spec, layout)
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for bucket, buf in zip(layout.buckets, buffers):
-                yield from (unpack_tensors(buf, bucket, layout) if isinstance(buf, list)
-                            else unpack_bucket(buf, bucket, layout))
-
-        return layout, stream(), received
-
-    def _receive_layout(self, kind: str, spec: dict, layouts: dict) -> tuple[RefitLayout, bool]:
-        raise NotImplementedError
-
-    def _receive_buckets(self, spec: dict, layout: RefitLayout) -> Iterator[torch.Tensor]:
+    def receive(self, spec: dict, layouts: dict[str, RefitLayout]) -> Incoming:
         raise NotImplementedError
 
 
@@ -80,29 +115,16 @@ class RayTransport(_Transport):
 
     def send(self, mode: str, kind: str, named: Iterable[tuple[str, torch.Tensor]], groups: tuple,
              dim: int, alpha: float, bucket_bytes: int) -> RefitPayload:
-        """Stream: tensors join the open bucket until it would overflow, then it is ray.put."""
+        """Stream: each bucket is ray.put as soon as it is closed, and its tensors dropped."""
         import ray
 
         metas: list[TensorMeta] = []
-        refs, pending, pending_end = [], [], 0
-
-        def flush():
-            nonlocal pending, pending_end
-            if pending:
-                # one array per tensor, no staging buffer: ray.put copies each once, into the store
-                refs.append(ray.put([_bytes_of(t) for _, t in pending]))
-                pending, pending_end = [], 0
-
-        for name, tensor in named:
-            meta = TensorMeta.of(name, tensor)
-            offset = aligned(pending_end)
-            if pending and offset + meta.nbytes > bucket_bytes:
-                flush()
-                offset = 0
-            pending.append((meta, tensor))
-            pending_end = offset + meta.nbytes
-            metas.append(meta)
-        flush()
+        refs = []
+        for _, chunk in stream_buckets(named, bucket_bytes):
+            # one array per tensor, no staging buffer: ray.put copies each once, into the store
+            refs.append(ray.put([_bytes_of(t) for _, t in chunk]))
+            metas.extend(m for m, _ in chunk)
+            chunk.clear()
         layout = RefitLayout(kind, tuple(metas), bucket_bytes, groups, dim, alpha)
         assert len(layout.buckets) == len(refs), "sender and plan_buckets disagree"
         known, layout_ref = self._sent.get(kind, (None, None))
@@ -115,9 +137,10 @@ class RayTransport(_Transport):
                             layout_bytes=len(json.dumps(layout.to_plain())) if new_layout else 0,
                             tensors=len(metas))
 
-    def _receive_layout(self, kind: str, spec: dict, layouts: dict) -> tuple[RefitLayout, bool]:
+    def receive(self, spec: dict, layouts: dict[str, RefitLayout]) -> Incoming:
         import ray
 
+        kind = kind_of(spec["mode"])
         layout, received = layouts.get(kind), False
         if layout is None or layout.key != spec["layout_key"]:  # first refit here, or the layout changed
             layout = layouts[kind] = RefitLayout.from_plain(ray.get(spec["layout_ref"]))
@@ -126,14 +149,14 @@ class RayTransport(_Transport):
                 raise RuntimeError("refit layout does not match its key")
         if len(spec["buckets"]) != len(layout.buckets):
             raise RuntimeError("refit payload and layout disagree on the number of buckets")
-        return layout, received
 
-    def _receive_buckets(self, spec: dict, layout: RefitLayout) -> Iterator[torch.Tensor]:
-        import ray
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket, ref in zip(layout.buckets, spec["buckets"]):
+                obj = ray.get(ref)
+                yield from (unpack_tensors([_as_uint8_tensor(a) for a in obj], bucket, layout) if isinstance(obj, list)
+                            else unpack_bucket(_as_uint8_tensor(obj), bucket, layout))
 
-        for ref in spec["buckets"]:
-            obj = ray.get(ref)
-            yield [_as_uint8_tensor(a) for a in obj] if isinstance(obj, list) else _as_uint8_tensor(obj)
+        return Incoming(layout, stream(), received)  # nothing to drain: every bucket waits in the store
 
 
 # ------------------------------------------------------------------------------------ broadcast group
@@ -143,11 +166,12 @@ class BroadcastGroup:
     """A process group outside torch.distributed's default group: trainer rank 0 + vLLM workers.
 
     Built from a TCPStore on rank 0's node (rank 0 hosts it), so neither Megatron's nor vLLM's
-    own default groups are touched. backend "nccl" on cuda, "gloo" on CPU.
+    own default groups are touched. backend "nccl" on cuda, "gloo" on CPU. The constructor returns
+    after one warm-up broadcast: every member has joined and (NCCL) the communicator exists.
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "nccl",
-                 timeout_s: float = 600.0, device: torch.device | str | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None):
         import torch.distributed as dist
 
         if backend not in BROADCAST_BACKENDS:
@@ -163,8 +187,9 @@ class BroadcastGroup:
             options._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
             self.device = torch.device(device or f"cuda:{torch.cuda.current_device()}")
-        self.backend, self.rank, self.world_size = backend, rank, world_size
+        self.backend, self.rank, self.world_size, self.timeout_s = backend, rank, world_size, timeout_s
         self._store = store  # keep the rendezvous alive as long as the group
+        self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))  # warm-up: NCCL connects here
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -174,18 +199,33 @@ class BroadcastGroup:
         self.pg.broadcast([tensor], opts).wait()
         return tensor
 
-    def send_bytes(self, data: bytes) -> None:
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self.broadcast(n)
+    def send_int(self, value: int) -> None:
+        self.broadcast(torch.tensor([value], dtype=torch.int64, device=self.device))
+
+    def recv_int(self) -> int:
+        return int(self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device)).item())
+
+    def send_raw(self, data: bytes) -> None:
         if data:
             self.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
 
-    def recv_bytes(self) -> bytes:
-        n = self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
-        size = int(n.item())
+    def recv_raw(self, size: int) -> bytes:
         if not size:
             return b""
         return self.broadcast(torch.empty(size, dtype=torch.uint8, device=self.device)).cpu().numpy().tobytes()
+
+    def recv_bucket(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.broadcast(buf) if nbytes else buf
+
+    def abort(self) -> None:
+        """Give up the group (a receiver that can no longer follow the protocol); best effort."""
+        abort = getattr(self.pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - already failing
+                pass
 
 
 class BroadcastTransport(_Transport):
@@ -199,13 +239,13 @@ class BroadcastTransport(_Transport):
 
     @classmethod
     def host(cls, host: str, port: int, world_size: int, backend: str = "nccl",
-             timeout_s: float = 600.0) -> "BroadcastTransport":
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> "BroadcastTransport":
         """Trainer rank 0: host the group (blocks until every vLLM worker has joined)."""
         return cls(BroadcastGroup(host, port, 0, world_size, backend, timeout_s))
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, backend: str = "nccl",
-             timeout_s: float = 600.0, device: torch.device | str | None = None) -> "BroadcastTransport":
+             timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | str | None = None) -> "BroadcastTransport":
         """A vLLM worker: join rank 0's group as `rank` (blocks until all have joined)."""
         return cls(BroadcastGroup(host, port, rank, world_size, backend, timeout_s, device))
 
@@ -215,44 +255,126 @@ class BroadcastTransport(_Transport):
         kind_of(mode)
         return RefitPayload(mode=mode, transport=cls.name)
 
+    # ---------------------------------------------------------------- messages
+    def _say(self, message: dict) -> int:
+        data = json.dumps(message).encode()
+        self.group.send_int(-len(data))
+        self.group.send_raw(data)
+        return len(data)
+
+    def _hear(self) -> int | dict:
+        """A bucket's size (int), or the JSON message that came instead."""
+        c = self.group.recv_int()
+        return c if c >= 0 else json.loads(self.group.recv_raw(-c))
+
+    # ---------------------------------------------------------------- sender
     def send(self, mode: str, kind: str, named: Iterable[tuple[str, torch.Tensor]], groups: tuple,
              dim: int, alpha: float, bucket_bytes: int) -> RefitPayload:
-        """Header (layout bytes, empty when unchanged), then the buckets in plan order."""
-        group = self.group
+        """Open, then each bucket as soon as the export has closed it, then end (see the module docstring)."""
         known, _ = self._sent.get(kind, (None, None))
-        if known is None or known.bucket_bytes != bucket_bytes:
-            named = list(named)  # first refit of this kind: the layout must precede the data
-            layout = RefitLayout(kind, tuple(TensorMeta.of(n, t) for n, t in named), bucket_bytes, groups, dim, alpha)
-            header = json.dumps(layout.to_plain()).encode()
-            self._sent[kind] = (layout, None)
-        else:
-            layout, header = known, b""
-        group.send_bytes(header)
-        it = iter(named)
-        for bucket in layout.buckets:
-            chunk = []
-            for meta in layout.tensors[bucket.start:bucket.stop]:
-                name, tensor = next(it)
-                if TensorMeta.of(name, tensor) != meta:
-                    raise RuntimeError(f"refit layout changed ({name}); reopen the refit group")
-                chunk.append(tensor.to(group.device))
-            group.broadcast(pack_bucket(chunk, bucket))
-        if next(it, None) is not None:
-            raise RuntimeError("refit layout changed (more tensors than announced); reopen the refit group")
+        head = RefitLayout(kind, (), bucket_bytes, tuple(groups), dim, alpha)
+        streaming = known is None or _head(known) != _head(head)
+        layout_bytes = self._say({"open": kind, "head": head.to_plain()} if streaming
+                                 else {"open": kind, "key": known.key})
+        metas_all: list[TensorMeta] = []
+        n = 0
+        try:
+            for bucket, chunk in stream_buckets(named, bucket_bytes):
+                metas = tuple(m for m, _ in chunk)
+                if streaming:
+                    layout_bytes += self._say({"metas": [[m.name, list(m.shape), m.dtype] for m in metas]})
+                elif n >= len(known.buckets) or known.buckets[n] != bucket \
+                        or known.tensors[bucket.start:bucket.stop] != metas:
+                    raise RefitProtocolError(f"refit layout changed at {metas[0].name}: the trainer exports other "
+                                             f"tensors than at the first refit; reopen the refit group")
+                buf = pack_bucket([t for _, t in chunk], bucket, self.group.device)
+                chunk.clear()  # the exported tensors go now, before the next ones are asked for
+                self.group.send_int(buf.numel())
+                if buf.numel():
+                    self.group.broadcast(buf)
+                del buf
+                metas_all.extend(metas)
+                n += 1
+            if not streaming and n != len(known.buckets):
+                raise RefitProtocolError(f"refit layout changed: {n} buckets, the first refit sent "
+                                         f"{len(known.buckets)}; reopen the refit group")
+        except Exception as e:
+            try:  # tell the receivers, so that they stop waiting and name this error
+                self._say({"error": f"trainer rank 0: {type(e).__name__}: {e}".splitlines()[0][:500]})
+            except Exception:  # noqa: BLE001 - the group itself failed: nothing more can be said
+                pass
+            raise
+        self._say({"end": n})
+        layout = RefitLayout(kind, tuple(metas_all), bucket_bytes, tuple(groups), dim, alpha) if streaming else known
+        self._sent[kind] = (layout, None)
         return RefitPayload(mode=mode, transport=self.name, layout_key=layout.key, bytes=layout.nbytes,
-                            layout_bytes=len(header), tensors=len(layout.tensors))
+                            layout_bytes=layout_bytes if streaming else 0, tensors=len(layout.tensors))
 
-    def _receive_layout(self, kind: str, spec: dict, layouts: dict) -> tuple[RefitLayout, bool]:
-        header, received = self.group.recv_bytes(), False
-        if header:
-            layouts[kind] = RefitLayout.from_plain(json.loads(header))
-            received = True
-        layout = layouts.get(kind)
-        if layout is None:
-            raise RuntimeError("broadcast refit without a layout")
-        return layout, received
+    # ---------------------------------------------------------------- receiver
+    def receive(self, spec: dict, layouts: dict[str, RefitLayout]) -> Incoming:
+        kind = kind_of(spec["mode"])
+        opening = self._hear()
+        if not isinstance(opening, dict) or opening.get("open") != kind:
+            raise RefitProtocolError(f"refit expected to open a {kind} refit, got {opening!r}")
+        streaming = "head" in opening
+        layout = RefitLayout.from_plain(opening["head"]) if streaming else layouts.get(kind)
+        incoming = Incoming(layout, iter(()), streaming)
+        if not streaming and (layout is None or layout.key != opening["key"]):
+            # read this refit to its end (every bucket is announced with its size), then say why
+            _exhaust(self._stream(kind, incoming, layouts, streaming, problem=(
+                "the sender assumes a refit layout this worker does not hold (it joined after the first refit?)")))
+        incoming.stream = self._stream(kind, incoming, layouts, streaming, problem=None)
+        incoming._drain = lambda: _exhaust(incoming.stream)
+        return incoming
 
-    def _receive_buckets(self, spec: dict, layout: RefitLayout) -> Iterator[torch.Tensor]:
-        group = self.group
-        for bucket in layout.buckets:
-            yield group.broadcast(torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device))
+    def _stream(self, kind: str, incoming: Incoming, layouts: dict, streaming: bool, problem: str | None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        head = incoming.layout
+        metas_all: list[TensorMeta] = []
+        n = 0
+        while True:
+            message = self._hear()
+            if isinstance(message, int):  # a bucket of a layout this worker holds
+                buf = self.group.recv_bucket(message)
+                if problem is None and (streaming or n >= len(head.buckets) or head.buckets[n].nbytes != message):
+                    problem = f"bucket {n} ({message} bytes) does not fit this worker's refit layout"
+                if problem is None:
+                    yield from unpack_bucket(buf, head.buckets[n], head)
+                n += 1
+            elif "metas" in message:
+                metas = [TensorMeta(name, tuple(shape), dtype) for name, shape, dtype in message["metas"]]
+                bucket = bucket_of(metas, start=len(metas_all))
+                announced = self.group.recv_int()
+                buf = self.group.recv_bucket(announced)
+                if problem is None and (not streaming or announced != bucket.nbytes):
+                    problem = f"bucket {n} ({announced} bytes) does not fit its header ({bucket.nbytes} bytes)"
+                metas_all.extend(metas)
+                if problem is None:
+                    yield from unpack_metas(buf, bucket, metas)
+                n += 1
+            elif "error" in message:
+                raise RefitAborted(f"refit aborted by the sender, {message['error']}")
+            elif "end" in message:
+                if problem is None and message["end"] != n:
+                    problem = f"the sender sent {message['end']} buckets, this worker read {n}"
+                if problem is None and streaming:
+                    whole = RefitLayout(kind, tuple(metas_all), head.bucket_bytes, head.groups, head.dim, head.alpha)
+                    if len(whole.buckets) != n:
+                        problem = f"the sender's buckets ({n}) differ from plan_buckets' ({len(whole.buckets)})"
+                    else:
+                        layouts[kind] = incoming.layout = whole
+                if problem is not None:
+                    raise RefitProtocolError(problem)
+                return
+            else:
+                raise RefitProtocolError(f"unknown refit message {message!r}")
+
+
+def _head(layout: RefitLayout) -> tuple:
+    """What must not change for buckets to follow a layout the receivers hold."""
+    return layout.kind, layout.bucket_bytes, tuple(layout.groups), layout.dim, layout.alpha
+
+
+def _exhaust(stream: Iterator) -> None:
+    for _ in stream:
+        pass

@@ -18,9 +18,14 @@ weights) and fails on CPU, whose linear Parameters are empty after repacking. Ea
 module must get all its parts (q, k and v together): one Megatron linear maps to one whole vLLM
 module, so it does.
 
-merged_delta: the worker keeps the base tensors of the targeted modules (read once from the
-checkpoint the engine was started from, in the engine's dtype) and writes
-W = W_base + (alpha/r) B A with `lora_layout.merge_lora_weight` (the Bridge's arithmetic).
+merged_delta: the worker keeps the base tensors of the targeted modules in host memory (read once
+from the checkpoint the engine was started from, in the engine's dtype; pinned on a GPU) and
+writes W = W_base + (alpha/r) B A with `lora_layout.merge_lora_weight` (the Bridge's arithmetic)
+on its device, one module's base there at a time.
+
+A failure while applying a refit (a loader error, a name the model lacks) is one RefitError naming
+the worker and the tensor; the rest of the refit is read and dropped first, so the broadcast
+group's sender and the other workers finish (workers.refit.transports, Incoming.drain).
 adapter: the worker writes the PEFT adapter into a node-local directory given by the engine,
 which then registers it as a new LoRA adapter.
 """
@@ -31,6 +36,7 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -40,7 +46,7 @@ from workers import cpu_shim, hf_checkpoint
 from workers.lora import layout as lora_layout
 from workers.lora.peft import write_peft_adapter
 from workers.refit import wire
-from workers.refit.transports import BroadcastTransport, RayTransport
+from workers.refit.transports import DEFAULT_TIMEOUT_S, BroadcastTransport, RayTransport, RefitAborted
 
 _PARTIAL_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                            "vllm.model_executor.model_loader.reload.inplace")
@@ -60,15 +66,38 @@ def _quiet_partial_reload():
             lg.setLevel(level)
 
 
+class RefitError(RuntimeError):
+    """A vLLM worker could not apply a refit: names the worker and the tensor (one line)."""
+
+
+def _one_line(e: BaseException) -> str:
+    return (f"{type(e).__name__}: {e}".strip().splitlines() or [type(e).__name__])[0][:800]
+
+
+class _Tracked:
+    """An iterator over (name, tensor) that remembers the last name it handed on."""
+
+    def __init__(self, stream):
+        self.stream, self.name = stream, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        name, tensor = next(self.stream)
+        self.name = name
+        return name, tensor
+
+
 class RefitWorkerExtension:
     """Methods vLLM adds to its worker (self is the worker: self.model_runner, self.rank, ...)."""
 
     # ------------------------------------------------------------------ group
     def refit_open_group(self, host: str, port: int, world_size: int, rank_offset: int,
-                         backend: str, timeout_s: float = 600.0) -> int:
+                         backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
         """Join trainer rank 0's broadcast group as rank rank_offset + this worker's rank."""
         rank = rank_offset + int(self.rank)
-        device = None if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        device = None if backend == "gloo" else self._refit_device()
         self._refit_receivers()[BroadcastTransport.name] = BroadcastTransport.join(
             host, port, rank, world_size, backend, timeout_s, device)
         self._refit_layouts().clear()
@@ -76,20 +105,55 @@ class RefitWorkerExtension:
 
     # ------------------------------------------------------------------ apply
     def refit_apply(self, spec: dict) -> dict:
-        """Receive one refit (see wire.RefitPayload.to_spec) and apply it to this worker's model."""
+        """Receive one refit (see wire.RefitPayload.to_spec) and apply it to this worker's model.
+
+        Whatever fails here is raised as one RefitError naming this worker (rank, host, pid) and
+        the last tensor it was handed; before that the rest of the refit is read and dropped, so a
+        broadcast group's sender and other workers finish instead of waiting out the timeout."""
         t0 = time.perf_counter()
-        wire.kind_of(spec["mode"])
-        layout, named, layout_received = self._refit_receiver(spec["transport"]).receive(spec, self._refit_layouts())
         mode = spec["mode"]
-        if mode == "merged":
-            self._refit_load(wire.guard_names(named), partial=False)
-        elif mode == "merged_delta":
-            self._refit_load(self._refit_merged_deltas(layout, named), partial=True)
-        else:  # adapter
-            groups = list(wire.lora_groups_from_stream(layout, named))
-            self._refit_write_adapter(spec["adapter_dir"], groups, layout)
+        wire.kind_of(mode)
+        try:
+            incoming = self._refit_receiver(spec["transport"]).receive(spec, self._refit_layouts())
+        except Exception as e:
+            raise RefitError(f"{self._refit_who()} could not receive the {mode} refit: {_one_line(e)}") from e
+        named = _Tracked(incoming.stream)
+        try:
+            if mode == "merged":
+                self._refit_load(wire.guard_names(named), partial=False)
+            elif mode == "merged_delta":
+                self._refit_load(self._refit_merged_deltas(incoming.layout, named), partial=True)
+            else:  # adapter
+                groups = list(wire.lora_groups_from_stream(incoming.layout, named))
+                self._refit_write_adapter(spec["adapter_dir"], groups, incoming.layout)
+            extra = sum(1 for _ in named)  # reads the refit's end (the broadcast group's last message)
+            if extra:
+                raise RuntimeError(f"{extra} tensor(s) more than the {mode} refit used")
+        except Exception as e:
+            raise self._refit_failed(spec, incoming, e, named.name) from e
+        layout = incoming.layout
         return {"rank": int(self.rank), "seconds": time.perf_counter() - t0, "bytes": layout.nbytes,
-                "buckets": len(layout.buckets), "layout_received": layout_received}
+                "buckets": len(layout.buckets), "layout_received": incoming.layout_received}
+
+    def _refit_who(self) -> str:
+        return f"vLLM worker {int(self.rank)} ({socket.gethostname()}, pid {os.getpid()})"
+
+    def _refit_failed(self, spec: dict, incoming, error: Exception, name: str | None) -> "RefitError":
+        """Drain the rest of the refit (aborting the group if even that fails) and say what failed."""
+        where = f"at {name!r}" if name else "before its first tensor"
+        line = f"{self._refit_who()} failed in the {spec['mode']} refit {where}: {_one_line(error)}"
+        if isinstance(error, RefitAborted):  # the sender's failure, already at the refit's end
+            return RefitError(line)
+        try:
+            incoming.drain()
+        except RefitAborted as e:
+            line += f" (and {e})"
+        except Exception as e:  # noqa: BLE001 - the group cannot follow the protocol any more
+            receiver = self._refit_receivers().pop(spec["transport"], None)
+            if receiver is not None and hasattr(receiver, "group"):
+                receiver.group.abort()
+            line += f"; reading the rest of the refit failed too ({_one_line(e)}): this worker left the refit group"
+        return RefitError(line)
 
     def _refit_layouts(self) -> dict:
         if not hasattr(self, "_refit_layout_cache"):
@@ -121,13 +185,17 @@ class RefitWorkerExtension:
         """Yield (HF weight name, base + scale * B @ A) for every module of every LoRA group."""
         groups = wire.lora_groups_from_stream(layout, named)
         bases = self._refit_bases([m for g in layout.groups for m in g.modules])
+        device = self._refit_device()
         for group in groups:
             for module, b in zip(group.hf_modules, group.lora_b):
-                base = bases[module]
+                base = bases[module].to(device)  # one module's base on the device at a time
                 yield f"{module}.weight", lora_layout.merge_lora_weight(base, b, group.lora_a, layout.alpha, layout.dim)
+                del base
 
     def _refit_bases(self, modules: list[str]) -> dict[str, torch.Tensor]:
-        """Base weights of `modules` from the engine's checkpoint, in the engine's dtype (cached)."""
+        """Base weights of `modules` from the engine's checkpoint, in the engine's dtype, cached in
+        host memory (pinned on a GPU, for the copy of one module at a time): on the GPU they would
+        sit outside vLLM's gpu_memory_utilization budget (launcher.memory plans for one module)."""
         cache = getattr(self, "_refit_base_cache", None)
         if cache is None:
             cache = self._refit_base_cache = {}
@@ -135,9 +203,10 @@ class RefitWorkerExtension:
         if missing:
             model_config = self.model_runner.model_config
             loaded = hf_checkpoint.read_tensors(model_config.model, [m + ".weight" for m in missing])
-            device = self._refit_device()
+            pin = self._refit_device().type == "cuda"
             for m in missing:
-                cache[m] = loaded[m + ".weight"].to(device=device, dtype=model_config.dtype)
+                base = loaded.pop(m + ".weight").to(dtype=model_config.dtype)
+                cache[m] = base.pin_memory() if pin else base
         return cache
 
     # ------------------------------------------------------------------ adapter

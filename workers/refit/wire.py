@@ -14,8 +14,10 @@ Modes (config `refit.mode`, allowed values `schema.REFIT_MODES`):
 What travels: a `RefitLayout` (the (name, shape, dtype) of every tensor in a fixed order, the
 bucket size and, for LoRA, the module groups and alpha/dim) once, then per refit only uint8
 buckets of at most `bucket_mb` (a single tensor larger than that travels alone in its own
-bucket). Both sides derive the bucket boundaries from the layout with `plan_buckets`, so they
-iterate the same order.
+bucket). The sender closes buckets as the tensors arrive (`stream_buckets`), so the layout is
+known only at the end of the first refit of a kind: the Ray transport puts it after the last
+bucket, the broadcast transport sends each bucket's part of it with the bucket. Both sides derive
+the bucket boundaries with the same rule (`plan_buckets`), so they iterate the same order.
 
 The rest of refit, one module per process side:
   transports.py      how buckets get there: one class per transport (Ray object store, broadcast group)
@@ -124,6 +126,29 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
+def stream_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                   ) -> Iterator[tuple[Bucket, list[tuple[TensorMeta, torch.Tensor]]]]:
+    """plan_buckets' rule applied while the tensors arrive: yields each bucket as soon as it is
+    closed, with its (meta, tensor) pairs, so a sender holds one bucket's tensors (plus the one
+    that closed it) and never the whole stream. The list it yields is its own: a consumer that
+    clears it once the bucket is packed releases those tensors before asking for the next."""
+    start, pending, offsets, end = 0, [], [], 0
+    for name, tensor in named:
+        meta = TensorMeta.of(name, tensor)
+        offset = aligned(end)
+        if pending and offset + meta.nbytes > bucket_bytes:
+            closed, pending = pending, []
+            yield Bucket(start, tuple(offsets), end), closed
+            del closed
+            start, offsets, offset = start + len(offsets), [], 0
+        pending.append((meta, tensor))
+        offsets.append(offset)
+        end = offset + meta.nbytes
+        del tensor  # the pending list is the only reference this generator keeps
+    if pending:
+        yield Bucket(start, tuple(offsets), end), pending
+
+
 @dataclass(frozen=True)
 class RefitLayout:
     """What is sent once: every tensor's (name, shape, dtype) in order, the bucket size, LoRA groups."""
@@ -164,10 +189,12 @@ class RefitLayout:
 # ------------------------------------------------------------------------------------ buckets
 
 
-def pack_bucket(tensors: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
-    """Copy tensors into one uint8 buffer at the planned offsets (on the tensors' device); only
+def pack_bucket(tensors: Sequence[torch.Tensor], bucket: Bucket, device: torch.device | str | None = None
+                ) -> torch.Tensor:
+    """Copy tensors into one uint8 buffer at the planned offsets, on `device` (default: the first
+    tensor's; each tensor is copied straight into the buffer, never staged on `device` first); only
     the alignment gaps are zeroed (no memset of the whole buffer before it is overwritten)."""
-    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=tensors[0].device)
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device if device is not None else tensors[0].device)
     end = 0
     for t, off in zip(tensors, bucket.offsets):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -188,11 +215,25 @@ def unpack_tensors(raws: Sequence[torch.Tensor], bucket: Bucket, layout: RefitLa
 
 def unpack_bucket(buf: torch.Tensor, bucket: Bucket, layout: RefitLayout) -> list[tuple[str, torch.Tensor]]:
     """Views into `buf` (no copies), in layout order."""
+    return unpack_metas(buf, bucket, layout.tensors[bucket.start:bucket.stop])
+
+
+def unpack_metas(buf: torch.Tensor, bucket: Bucket, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """Views into `buf` (no copies) of the tensors `metas` describes, at the bucket's offsets."""
     out = []
-    for meta, off in zip(layout.tensors[bucket.start:bucket.stop], bucket.offsets):
+    for meta, off in zip(metas, bucket.offsets):
         raw = buf[off:off + meta.nbytes]
         out.append((meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)))
     return out
+
+
+def bucket_of(metas: Sequence[TensorMeta], start: int = 0) -> Bucket:
+    """The one bucket that holds `metas` in order (what plan_buckets gives a bucket of them)."""
+    offsets, end = [], 0
+    for meta in metas:
+        offsets.append(aligned(end) if offsets else 0)
+        end = offsets[-1] + meta.nbytes
+    return Bucket(start, tuple(offsets), end)
 
 
 # ------------------------------------------------------------------------------------ LoRA stream

@@ -37,6 +37,7 @@ import torch
 
 from workers import cpu_shim, hf_checkpoint
 from workers.refit.sender import Sender
+from workers.refit.transports import DEFAULT_TIMEOUT_S
 from workers.refit.wire import guard_names
 from workers.trainer import build, gather, state
 from workers.trainer.config import TrainerConfig
@@ -305,7 +306,10 @@ class MegatronTrainer:
         return self._export_hf(merge_adapters=self.lora is not None)
 
     def _export_hf(self, merge_adapters: bool) -> Iterator[tuple[str, Any]]:
-        weights = self.bridge.export_hf_weights(self.model, cpu=True, show_progress=False,
+        """On cuda the tensors stay on the GPU (cpu=False): rank 0 packs its refit buckets there and
+        the other ranks drop each one at once; cpu=True would copy the whole model to host memory on
+        every rank at every refit. (On CPU cpu=True copies nothing: the tensors alias the weights.)"""
+        weights = self.bridge.export_hf_weights(self.model, cpu=self.is_cpu, show_progress=False,
                                                 merge_adapter_weights=merge_adapters)
         return guard_names(self._unpad_vocab(weights))
 
@@ -321,16 +325,21 @@ class MegatronTrainer:
             yield name, (tensor[:rows] if rows is not None and tensor.dim() and tensor.shape[0] > rows else tensor)
 
     def export_merged_state(self, keep: bool | str = True):
-        """export_merged() drained into a list (returned by rank 0 only when keep='rank0')."""
-        pairs = list(self.export_merged())
-        return pairs if keep is True or (keep == "rank0" and self.rank == 0) else None
+        """export_merged() as a list of CPU tensors (returned by rank 0 only when keep='rank0'; the
+        other ranks drain the collective export without keeping anything)."""
+        if not (keep is True or (keep == "rank0" and self.rank == 0)):
+            for _ in self.export_merged():
+                pass
+            return None
+        return [(name, tensor.cpu()) for name, tensor in self.export_merged()]
 
     def refit_payload(self, mode: str, bucket_mb: int):
         return self.refit_sender.payload(self, mode, bucket_mb)
 
-    def open_refit_group(self, host: str, port: int, world_size: int, backend: str = "gloo") -> None:
+    def open_refit_group(self, host: str, port: int, world_size: int, backend: str = "gloo",
+                         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Rank 0 only: host refit's broadcast group (blocks until the generators join)."""
-        self.refit_sender.open_group(host, port, world_size, backend)
+        self.refit_sender.open_group(host, port, world_size, backend, timeout_s)
 
     def close_refit_group(self) -> None:
         self.refit_sender.close_group()

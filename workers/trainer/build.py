@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from workers import cpu_shim
+from workers.trainer import kernels
 from workers.trainer.config import ParallelConfig, PeftConfig, TrainerConfig
 
 
@@ -111,12 +112,10 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
 
         if hasattr(provider, "transformer_layer_spec"):
             provider.transformer_layer_spec = local_layer_spec
-    if is_cpu or not _have_transformer_engine():  # fused kernels need CUDA and TE (MoE: SequentialMLP experts)
-        for flag in ("apply_rope_fusion", "persist_layer_norm", "bias_activation_fusion",
-                     "masked_softmax_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion",
-                     "gradient_accumulation_fusion", "moe_permute_fusion", "moe_grouped_gemm"):
-            if hasattr(provider, flag):
-                setattr(provider, flag, False)
+    # a fusion whose kernel does not import here is off (workers.trainer.kernels; all of them on CPU)
+    for flag, value in kernels.settings(is_cpu).items():
+        if hasattr(provider, flag):
+            setattr(provider, flag, value)
     provider.finalize()
     peft: dict = {}
     # after the bridge's weight-loading hook

@@ -145,10 +145,11 @@ class TrainerGroup:
         """workers.refit.sender.Sender.payload on every rank (the export is collective); rank 0's payload."""
         return self._call("refit_payload", mode, bucket_mb)[0]
 
-    def open_refit_group(self, host: str, port: int, world_size: int, backend: str = "gloo"):
+    def open_refit_group(self, host: str, port: int, world_size: int, backend: str = "gloo",
+                         timeout_s: float = 600.0):
         """Rank 0 hosts refit's broadcast group. Returns its ObjectRef: ray.get it together with the
         generators' joins (the rendezvous blocks until everyone arrives)."""
-        return self.actors[0].open_refit_group.remote(host, port, world_size, backend)
+        return self.actors[0].open_refit_group.remote(host, port, world_size, backend, timeout_s)
 
     def close_refit_group(self) -> None:
         self._get([self.actors[0].close_refit_group.remote()], ranks=[0])

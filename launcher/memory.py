@@ -1,0 +1,276 @@
+"""The memory plan: what one GPU of each role holds, from the model's size and the topology, before
+anything is submitted (launcher.plan places the actors; this says whether they fit).
+
+Per trainer rank: the weights (dense parameters split over TP x PP, routed experts over EP x ETP x
+PP), the gradient buffers and Adam's state of what trains (LoRA factors, or everything without
+LoRA; the distributed optimizer splits Adam over data parallelism), refit's buffers (rank 0 packs
+one bucket on the GPU while the export holds one bucket's worth of tensors) and a fixed reserve for
+the CUDA context and NCCL communicators. Activations are not modelled: the plan shows the room left
+for them. Per vLLM worker: vLLM takes `vllm.gpu_memory_utilization` of the GPU for its weights
+(every parameter over TP: vLLM shards experts by TP), its profiled activations and the KV cache,
+which must hold at least one sequence of max_model_len or vLLM refuses to start. Refit allocates
+outside that budget, after the KV cache exists: the broadcast buckets and, in a merged refit, what
+vLLM's layerwise reload buffers (vllm/model_executor/model_loader/reload/layerwise.py keeps every
+tensor a layer receives until the layer is complete: one MoE layer's unsharded experts);
+merged_delta keeps its base tensors in host memory and moves one module at a time
+(workers.refit.vllm_extension), an adapter refit writes files. A plan that cannot fit is refused
+in one line naming the key to change (validate.py calls `check`).
+
+GPU memory is `topology.gpu_memory_gib` (GB200 by default). The model's numbers come from
+`model_size(cfg)`, the one place that reads them: a checkpoint at model.path on this machine
+(its safetensors headers and config.json), else the `model.size` section (for a dry run of a
+checkpoint that is not here), else a built-in recipe's numbers; without any, there is no plan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.config.schema import BUILTIN_MODELS, Config, ConfigError
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TRAINER_RESERVE_GIB = 3.0       # CUDA context + megatron's NCCL communicators (TP, DP, EP, PP, refit)
+ENGINE_ACTIVATIONS_GIB = 4.0    # vLLM's profiled forward (inside its budget; enforce_eager: no CUDA graphs)
+REFIT_GROUP_GIB = 0.5           # the refit group's NCCL communicator on a vLLM worker (outside vLLM's budget)
+_EXPERT = re.compile(r"\.experts\.")          # routed experts (shared_experts are dense)
+_LAYER_MODULE = re.compile(r"^(.*?layers\.\d+\.(?:mixer|mlp)\.experts)\.")  # one MoE layer's experts: one vLLM module
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    parameters: int                 # every weight
+    expert_parameters: int          # of which routed experts
+    largest_module_parameters: int  # the most one vLLM module receives in a refit (one MoE layer's experts, the embedding)
+    attention_layers: int           # layers with a KV cache
+    hidden_size: int
+    num_attention_heads: int
+    kv_heads: int
+    head_dim: int
+    source: str                     # where the numbers came from (printed)
+
+
+def model_size(cfg: Config) -> ModelSize | None:
+    """The model's numbers the plan needs (see the module docstring for the order of sources)."""
+    m = cfg.model
+    if m.path and Path(m.path).is_dir() and any(Path(m.path).glob("*.safetensors")):
+        return _from_checkpoint(Path(m.path))
+    s = getattr(m, "size", None)
+    heads = dict(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, kv_heads=m.num_query_groups,
+                 head_dim=m.head_dim)
+    if s is not None and s.parameters:
+        experts = s.expert_parameters or 0
+        moe_layers = s.moe_layers or (m.num_layers if experts else 1)
+        qkv = m.hidden_size * (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
+        return ModelSize(parameters=s.parameters, expert_parameters=experts,
+                         largest_module_parameters=max(math.ceil(experts / moe_layers), qkv),
+                         attention_layers=s.attention_layers or m.num_layers, source="model.size", **heads)
+    if m.path is None and m.builtin in BUILTIN_MODELS:
+        return _from_recipe(m.builtin, BUILTIN_MODELS[m.builtin])
+    return None
+
+
+def _from_checkpoint(path: Path) -> ModelSize:
+    from safetensors import safe_open  # headers only (numpy framework: no torch)
+
+    from launcher.config import model_facts
+
+    sizes: dict[str, int] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():
+                sizes[name] = math.prod(f.get_slice(name).get_shape())
+    experts = sum(n for name, n in sizes.items() if _EXPERT.search(name))
+    modules: dict[str, int] = {}
+    for name, n in sizes.items():
+        moe = _LAYER_MODULE.match(name)
+        key = moe.group(1) if moe else name.rsplit(".", 1)[0]
+        modules[key] = modules.get(key, 0) + n
+    facts, _ = model_facts.read(path)
+    hf = json.loads((path / "config.json").read_text())
+    pattern = hf.get("hybrid_override_pattern")
+    blocks = hf.get("layers_block_type")
+    attention = (pattern.count("*") if isinstance(pattern, str) else
+                 sum(b == "attention" for b in blocks) if isinstance(blocks, list) else facts.num_layers)
+    return ModelSize(parameters=sum(sizes.values()), expert_parameters=experts,
+                     largest_module_parameters=max(modules.values(), default=0), attention_layers=attention,
+                     hidden_size=facts.hidden_size, num_attention_heads=facts.num_attention_heads,
+                     kv_heads=facts.num_query_groups, head_dim=facts.head_dim, source=f"{path} (safetensors headers)")
+
+
+def _from_recipe(name: str, r: dict) -> ModelSize:
+    """A built-in recipe's parameters (workers.tiny_models builds them; untied embeddings)."""
+    hidden, heads, kv, hd = r["hidden_size"], r["num_attention_heads"], r["num_key_value_heads"], r["head_dim"]
+    pattern = r.get("hybrid_override_pattern")
+    layers = len(pattern) if pattern else r["num_hidden_layers"]
+    attention = pattern.count("*") if pattern else layers
+    vocab = r.get("vocab_size", 512)  # the tiny tokenizer's vocabulary is smaller
+    qkv_o = hidden * (heads + 2 * kv) * hd + heads * hd * hidden
+    experts = r.get("num_experts", 0) * 3 * hidden * r.get("moe_intermediate_size", 0)
+    dense_mlp = 0 if experts else 3 * hidden * r["intermediate_size"]
+    total = 2 * vocab * hidden + attention * qkv_o + layers * (dense_mlp + experts)
+    return ModelSize(parameters=total, expert_parameters=layers * experts,
+                     largest_module_parameters=max(vocab * hidden, experts, 3 * hidden * r["intermediate_size"]),
+                     attention_layers=attention, hidden_size=hidden, num_attention_heads=heads, kv_heads=kv,
+                     head_dim=hd, source=f"built-in recipe {name} (estimate)")
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class Line:
+    what: str
+    gib: float
+
+
+@dataclass
+class MemoryPlan:
+    gpu_gib: float
+    size: ModelSize | None
+    trainer: list[Line]
+    engine: list[Line]          # inside vLLM's budget
+    engine_outside: list[Line]  # refit, outside it
+    budget_gib: float
+    notes: list[str]
+    errors: list[ConfigError]
+
+    def describe(self) -> str:
+        if self.size is None:
+            return "\n".join(self.notes)
+        out = [f"memory per GPU ({self.gpu_gib:g} GiB, topology.gpu_memory_gib; model: {self.size.source})"]
+        total = sum(x.gib for x in self.trainer)
+        out.append(f"  trainer rank: {total:.1f} GiB = " + " + ".join(f"{x.what} {x.gib:.1f}" for x in self.trainer)
+                   + f"; {self.gpu_gib - total:.1f} GiB left for activations")
+        inside, outside = sum(x.gib for x in self.engine), sum(x.gib for x in self.engine_outside)
+        out.append(f"  vLLM worker: budget {self.budget_gib:.1f} GiB (vllm.gpu_memory_utilization) holds "
+                   + " + ".join(f"{x.what} {x.gib:.1f}" for x in self.engine)
+                   + f" = {inside:.1f}, the rest is KV cache")
+        out.append(f"  vLLM worker, outside the budget ({self.gpu_gib - self.budget_gib:.1f} GiB): "
+                   + " + ".join(f"{x.what} {x.gib:.1f}" for x in self.engine_outside) + f" = {outside:.1f}")
+        out += [f"  note: {n}" for n in self.notes]
+        out += [f"  DOES NOT FIT: {e}" for e in self.errors]
+        return "\n".join(out)
+
+
+def plan_memory(cfg: Config, plan) -> MemoryPlan:
+    """The memory plan of a config whose topology passed plan.check (plan = plan.build(topology))."""
+    gpu = float(cfg.topology.gpu_memory_gib)
+    if cfg.topology.device != "cuda":
+        return MemoryPlan(gpu, None, [], [], [], 0.0, ["memory: no GPU plan on cpu"], [])
+    size = model_size(cfg)
+    if size is None:
+        return MemoryPlan(gpu, None, [], [], [], 0.0, [
+            f"memory: no plan: model.path {cfg.model.path} is not on this machine and model.size.parameters "
+            f"is not set"], [])
+    trainer, trainer_errors = _trainer(cfg, plan, size, gpu)
+    inside, outside, budget, notes, engine_errors = _engine(cfg, plan, size, gpu)
+    return MemoryPlan(gpu, size, trainer, inside, outside, budget, notes, trainer_errors + engine_errors)
+
+
+def _trainer(cfg: Config, plan, size: ModelSize, gpu: float) -> tuple[list[Line], list[ConfigError]]:
+    dtype = DTYPE_BYTES.get(cfg.model.dtype, 4)
+    dense = size.parameters - size.expert_parameters
+    local = dense / (plan.tp * plan.pp) + size.expert_parameters / (plan.ep * plan.etp * plan.pp)
+    trainable = _lora_parameters(cfg, size) / plan.tp if cfg.peft.enabled else local
+    adam = (12 if dtype < 4 else 8) * trainable
+    distributed = cfg.optim.use_distributed_optimizer in ("auto", True)  # auto: on cuda
+    bucket = cfg.refit.bucket_mb * 2**20
+    lines = [Line(f"weights (TP {plan.tp} x PP {plan.pp}, experts EP {plan.ep} x ETP {plan.etp})", local * dtype / GIB),
+             Line("grads", trainable * 4 / GIB),
+             Line("Adam" + (f" / DP {plan.dp}" if distributed and plan.dp > 1 else ""),
+                  adam / (plan.dp if distributed else 1) / GIB),
+             Line("refit (rank 0: a bucket and its tensors)", 2 * bucket / GIB),
+             Line("CUDA + NCCL", TRAINER_RESERVE_GIB)]
+    need = sum(x.gib for x in lines)
+    errors = []
+    if need > gpu:
+        errors.append(ConfigError("topology.train.tensor_parallel", (
+            f"a trainer rank needs {need:.1f} GiB before activations ({_sum(lines)}) on a {gpu:g} GiB GPU "
+            f"(topology.gpu_memory_gib): raise topology.train.tensor_parallel, pipeline_parallel or expert_parallel")))
+    return lines, errors
+
+
+def _engine(cfg: Config, plan, size: ModelSize, gpu: float) -> tuple:
+    dtype = DTYPE_BYTES.get(cfg.vllm.dtype, 4)
+    tp = plan.generation_tp
+    util = cfg.vllm.gpu_memory_utilization
+    budget = util * gpu
+    kv_heads = max(1, size.kv_heads // tp)  # vLLM replicates KV heads when TP exceeds them
+    kv_token = 2 * size.attention_layers * kv_heads * size.head_dim * dtype
+    kv_one = kv_token * cfg.vllm.max_model_len / GIB
+    sequences = math.ceil(cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / plan.engines)
+    kv_batch = kv_token * cfg.grpo.max_total_sequence_length * sequences / GIB
+    inside = [Line(f"weights (TP {tp})", size.parameters * dtype / tp / GIB),
+              Line("activations", ENGINE_ACTIVATIONS_GIB),
+              Line("KV of one max_model_len sequence", kv_one)]
+    bucket = cfg.refit.bucket_mb * 2**20 / GIB
+    mode = cfg.refit.mode
+    if mode == "merged":
+        reload = Line("merged refit: one module's weights held by vLLM's layerwise reload",
+                      size.largest_module_parameters * dtype / GIB)
+    elif mode == "merged_delta":
+        qkv = size.hidden_size * (size.num_attention_heads + 2 * size.kv_heads) * size.head_dim
+        reload = Line("merged_delta: one module's base and weights", 2 * qkv * dtype / GIB)
+    else:
+        reload = Line("adapter refit: LoRA factors", 0.0)
+    outside = [Line("refit buckets", 2 * bucket), reload, Line("refit group", REFIT_GROUP_GIB)]
+    need_in, need_out = sum(x.gib for x in inside), sum(x.gib for x in outside)
+    notes, errors = [], []
+    if need_in + need_out > gpu:
+        errors.append(ConfigError("topology.generation.tensor_parallel", (
+            f"a vLLM worker needs {need_in + need_out:.1f} GiB ({_sum(inside + outside)}) on a {gpu:g} GiB GPU "
+            f"(topology.gpu_memory_gib) at TP {tp}: raise topology.generation.tensor_parallel")))
+    elif need_in > budget:
+        errors.append(ConfigError("vllm.gpu_memory_utilization", (
+            f"{util:g} x {gpu:g} GiB = {budget:.1f} GiB cannot hold {_sum(inside)} = {need_in:.1f} GiB per vLLM "
+            f"worker at TP {tp}: set it to at least {math.ceil(100 * need_in / gpu) / 100:.2f} (at most "
+            f"{math.floor(100 * (1 - need_out / gpu)) / 100:.2f}: refit needs {need_out:.1f} GiB outside it)")))
+    elif need_out > gpu - budget:
+        errors.append(ConfigError("vllm.gpu_memory_utilization", (
+            f"{util:g} leaves {gpu - budget:.1f} GiB outside vLLM's budget, refit needs {need_out:.1f} "
+            f"({_sum(outside)}): set it to at most {math.floor(100 * (1 - need_out / gpu)) / 100:.2f}")))
+    elif budget - need_in < kv_batch:
+        notes.append(f"the KV cache ({budget - need_in:.1f} GiB) holds less than a step's {sequences} sequences of "
+                     f"{cfg.grpo.max_total_sequence_length} tokens per engine ({kv_batch:.1f} GiB): vLLM queues them")
+    if mode == "merged_delta":
+        workers_here = max(len(n.generation_workers) for n in plan.nodes)
+        bases = _target_parameters(cfg, size) * dtype * workers_here / GIB
+        notes.append(f"merged_delta keeps the targeted modules' base weights in host memory: {bases:.1f} GiB per "
+                     f"generation node ({workers_here} vLLM workers)")
+    if size.attention_layers and size.source == "model.size" and not cfg.model.size.attention_layers:
+        notes.append("KV cache counted on every layer (model.size.attention_layers is not set)")
+    return inside, outside, budget, notes, errors
+
+
+def _lora_parameters(cfg: Config, size: ModelSize) -> int:
+    """LoRA factors: exact for attention targets; other targets approximated as r x 5 x hidden per layer."""
+    r, h = cfg.peft.dim, size.hidden_size
+    q = size.num_attention_heads * size.head_dim
+    per = {"linear_qkv": r * (h + q + 2 * size.kv_heads * size.head_dim), "linear_proj": r * (q + h)}
+    return sum(_per_layer(cfg, size, t, per, r * 5 * h) for t in cfg.peft.target_modules)
+
+
+def _target_parameters(cfg: Config, size: ModelSize) -> int:
+    """The base weights of the LoRA-targeted modules (attention exact; others approximated as 4 hidden^2)."""
+    h, q = size.hidden_size, size.num_attention_heads * size.head_dim
+    per = {"linear_qkv": h * (q + 2 * size.kv_heads * size.head_dim), "linear_proj": q * h}
+    return sum(_per_layer(cfg, size, t, per, 4 * h * h) for t in cfg.peft.target_modules)
+
+
+def _per_layer(cfg: Config, size: ModelSize, target: str, per: dict, other: int) -> int:
+    short = target.rsplit(".", 1)[-1]
+    return (size.attention_layers if short in per else cfg.model.num_layers) * per.get(short, other)
+
+
+def _sum(lines: list[Line]) -> str:
+    return " + ".join(f"{x.what} {x.gib:.1f}" for x in lines)
+
+
+def check(cfg: Config, plan) -> list[ConfigError]:
+    """The plan's refusals (none on cpu, none without the model's size)."""
+    return plan_memory(cfg, plan).errors

@@ -1,0 +1,55 @@
+"""The vLLM executor an engine runs is pinned: "uni" in the actor's process (CPU, TP 1), or vLLM
+0.32's default Ray executor, RayExecutorV2, for TP > 1 on cuda, with its worker ranking pinned to
+the placement group's bundle order (VLLM_RAY_BUNDLE_INDICES), which launcher.plan pins to nodes.
+Checked against vLLM's own executor resolution (vllm/v1/executor/abstract.py Executor.get_class)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.config.compose import compose
+from launcher.config.schema import typed
+from launcher.config.validate import validate
+from workers.generator.actor import RAY_EXECUTOR, UNI_EXECUTOR, GeneratorConfig
+
+
+def test_tp8_on_cuda_pins_ray_executor_v2_and_the_bundle_order():
+    cfg = GeneratorConfig(model="m", device="cuda", tensor_parallel=8)
+    assert cfg.executor_class() == RAY_EXECUTOR
+    assert cfg.engine_env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "1",
+                                "VLLM_RAY_BUNDLE_INDICES": "0,1,2,3,4,5,6,7"}
+    kw = cfg.engine_kwargs()
+    assert kw["distributed_executor_backend"] == "ray" and kw["tensor_parallel_size"] == 8
+
+
+@pytest.mark.parametrize("device,tp", [("cuda", 1), ("cpu", 1)])
+def test_one_worker_runs_in_the_actor(device, tp):
+    cfg = GeneratorConfig(model="m", device=device, tensor_parallel=tp)
+    assert cfg.executor_class() == UNI_EXECUTOR
+    assert cfg.engine_env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert cfg.engine_kwargs()["distributed_executor_backend"] == "uni"
+
+
+@pytest.mark.parametrize("device,tp", [("cuda", 8), ("cuda", 1), ("cpu", 1)])
+def test_the_named_class_is_the_one_vllm_resolves_under_that_environment(device, tp, monkeypatch):
+    from vllm.v1.executor.abstract import Executor
+
+    cfg = GeneratorConfig(model="m", device=device, tensor_parallel=tp)
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")  # a site that chose V1: the engine pins V2
+    for key, value in cfg.engine_env().items():
+        monkeypatch.setenv(key, value)
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        distributed_executor_backend=cfg.engine_kwargs()["distributed_executor_backend"]))
+    cls = Executor.get_class(vllm_config)
+    assert f"{cls.__module__}.{cls.__qualname__}" == cfg.executor_class()
+
+
+def test_the_ray_transport_is_refused_for_a_tp_engine_on_cuda():
+    errs = validate(typed(compose(["topology=ultra_6n4g", "refit.transport=ray"])))
+    assert [str(e) for e in errs if e.key == "refit.transport"] == [
+        "refit.transport: ray cannot feed a TP>1 engine on cuda: vLLM's RayExecutorV2 passes refit specs to its "
+        "workers through a message queue, where Ray pins each bucket's object ref for the worker's lifetime "
+        "(a leak every refit); use auto (nccl) or gloo"]
+    assert not [e for e in validate(typed(compose(["topology=ultra_6n4g"]))) if e.key == "refit.transport"]
