@@ -241,14 +241,14 @@ def run_worker(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> dict:
         if state == "done" or done.exists():
             return {"node": ctx.hostname, "role": "worker", "joined": True, "attempts": attempt}
         if (ctx.rendezvous / "registered").exists():  # the run had started: rejoining cannot help it
-            return _report_failure(ctx, ray_stopped(ctx, proc, watch.fatal))
+            return _report_failure(ctx, ray_stopped(ctx, proc, watch.fatal), "left the Ray cluster")
         reason = watch.fatal or ray_exit(ctx, proc)
         log(f"{ctx.hostname}: attempt {attempt}/{cfg.ray.join_retries} to join failed: {reason}")
     return _report_failure(ctx, f"{cfg.ray.join_retries} attempts failed; last: {reason}")
 
 
-def _report_failure(ctx: JobContext, reason: str) -> dict:
-    log(f"{ctx.hostname}: cannot join the Ray cluster: {reason}")
+def _report_failure(ctx: JobContext, reason: str, what: str = "cannot join the Ray cluster") -> dict:
+    log(f"{ctx.hostname}: {what}: {reason}")
     write_node_report(ctx, reason)
     # exit 0: the driver reports the failure with the whole picture; a non-zero exit would make
     # srun (--kill-on-bad-exit) kill the driver before it can say what happened
