@@ -5,10 +5,13 @@ the rules can be checked for 1 or 1,024 nodes without starting anything.
 Why no order among the workers: every worker starts `ray start` as soon as the head answers, as
 NeMo RL's `ray.sub` and verl's Slurm scripts do. A start-up with `sleep(c * node_index)` in it
 makes the last of 1,000 nodes wait c * 999 s before it even tries; no fixed budget covers that.
-What can go wrong when many raylets register at once is Ray's own wait for the node to appear in
-the GCS (30 s in `ray start`: "The current node timed out during startup ... or the GCS has become
-overloaded"). Such a node retries after a random delay in [0, ray.join_jitter_s), so a herd of
-refused nodes spreads its retries over that window instead of arriving together again. A node's
+What can go wrong when many nodes start at once is Ray refusing some of them: `ray start` waits
+30 s for its node to appear in the GCS ("The current node timed out during startup ... or the GCS
+has become overloaded"), and the raylet waits a fixed 15 s (Ray 2.60, not configurable) for its
+dashboard agent, a Python process, to report its port; a node whose CPUs are shared by many
+starting nodes misses that (on the 2-core test machine, from about 12 nodes at once:
+docs/benchmarks.md). Such a node retries after a random delay in [0, ray.join_jitter_s), so a herd
+of refused nodes spreads its retries over that window instead of arriving together again. A node's
 whole join is then bounded by ray.join_retries x (one attempt + ray.join_jitter_s), whatever the
 node count.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -39,13 +40,11 @@ class NodeQuery:
 
     def __init__(self, query: Callable[[], set[str]] = alive_resources):
         self._query = query
-        self._thread = None
+        self._thread: threading.Thread | None = None
         self._answer: set[str] | None = None
 
     def latest(self) -> set[str] | None:
         """The answer of the last query, if it has come (and then ask again); None while pending."""
-        import threading
-
         if self._thread is not None and self._thread.is_alive():
             return None
         answer, self._answer = self._answer, None
