@@ -3,7 +3,7 @@
 On the local multi-node Slurm test cluster (tests/slurm_cluster), for each node count it submits,
 side by side and alternating which goes first:
 
-- launcher: `python -m launcher topology=slurm_<n>n run.job=placement_smoke` (the product path:
+- launcher: `python -m launcher <n-node shape> run.job=placement_smoke` (the product path:
   Hydra compose + validate + run dir, submitit's sbatch, then in the job submitit's task runner,
   launcher.bootstrap: head under launcher.reaper with token auth, head.json rendezvous, workers
   join, the driver connects and polls until all nodes are registered);
@@ -12,7 +12,9 @@ side by side and alternating which goes first:
   0.1 s), while a small Python waiter on the head connects (`ray.init`) and polls `ray.nodes()`
   every 0.1 s until all nodes are alive. The `ray start` flags are the launcher's own (pinned
   ports, object store size, no dashboard, a node-local temp dir), minus the role resources, so
-  the difference is orchestration, not Ray configuration. Token auth: `--bare-auth` (set
+  the difference is orchestration, not Ray configuration. A worker whose `ray start` fails retries
+  as the launcher's do (after a random delay below --join-jitter, up to --join-retries attempts),
+  so both paths survive Ray refusing a herd of nodes the same way. Token auth: `--bare-auth` (set
   explicitly: with RAY_AUTH_MODE unset, `ray start` uses token auth whenever ~/.ray/auth_token
   exists, which Ray 2.60 writes on a local `ray.init()`).
 
@@ -24,13 +26,23 @@ registered line ("join"); and from the head's own Ray log, how long its `ray sta
 line to "Ray runtime started"). Each job runs to its end (and the nodes are idle again) before the next
 one is submitted. Nothing is added to the product: the launcher's log lines are the markers.
 
+The shapes: `topology=slurm_<n>n` where a preset exists (2, 3, 4), else slurm_4n scaled to n nodes
+(tests/helpers/slurm_nodes.slurm_shape: a power of two, half train, half generate).
+
+Per-node costs, for the model of a bigger join (docs/benchmarks.md): each node's own `ray start`
+(its log: first line to "Ray runtime started"), the failed `ray start` attempts (Ray refused the
+node; it retried), the head's GCS CPU seconds when all nodes are registered (/proc of gcs_server),
+and, on the bare path, how long one `ray.nodes()` takes with all n nodes (the driver's per-check
+call) and the size of its answer.
+
 The cluster: if one is up (tests/slurm_cluster/up.sh, `$SLURM_TEST_ROOT/cluster.env`) it is
 used and left up; otherwise this script starts it and takes it down at the end. Either way it
 holds the cluster's lock (`$SLURM_TEST_ROOT.lock`, as the pytest fixture does) while it runs, so
 no test session tears the cluster down under it; it waits for the lock when another session has it.
 Needs root (network namespaces).
 
-    python benchmarks/launch.py [--nodes 2 3 4] [--repeats 2] [--bare-auth disabled|token|both]
+    python benchmarks/launch.py [--nodes 2 4 8 16] [--repeats 2] [--bare-auth disabled|token|both]
+                                [--join-jitter 10] [--join-retries 3]
 """
 
 from __future__ import annotations
@@ -51,6 +63,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.helpers.slurm_nodes import slurm_shape  # noqa: E402  (after REPO is on the path)
+
 PY = sys.executable
 CLUSTER_SCRIPTS = REPO / "tests" / "slurm_cluster"
 TERMINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
@@ -103,7 +118,7 @@ class Cluster:
         if self.is_up():
             print(f"using the Slurm test cluster that is already up ({self.root}); leaving it up", flush=True)
         else:
-            env = {**os.environ, "ROOT": str(self.root), "NNODES": str(max(4, self.nodes_needed)),
+            env = {**os.environ, "ROOT": str(self.root), "NNODES": str(max(16, self.nodes_needed)),
                    "SLURM_TEST_LOCK_HELD": "1"}
             t = time.monotonic()
             p = subprocess.run(["bash", str(CLUSTER_SCRIPTS / "up.sh")], env=env, capture_output=True, text=True,
@@ -183,14 +198,35 @@ class Launch:
     error: str = ""
     load: float = 0.0                           # 1-minute load average when it was submitted
     ray_start: dict = field(default_factory=dict)  # node index -> seconds of its `ray start` (Ray's own log)
+    failed_attempts: int = 0                    # `ray start` attempts that failed (Ray refused the node), all nodes
+    gcs_cpu_s: float | None = None              # the head's gcs_server CPU seconds when all nodes were registered
+    nodes_ms: float | None = None               # bare: one ray.nodes() with all n nodes (median of 5), ms
+    nodes_bytes: int | None = None              # bare: the size of its answer (JSON), bytes
 
     @property
     def total(self) -> float | None:
         return self.marks.get("registered")
 
 
+def gcs_cpu_seconds(marker: str) -> float | None:
+    """CPU seconds (user + system) of the gcs_server whose command line names `marker` (the job's
+    Ray temp dir on the head), or None if there is none."""
+    hz = os.sysconf("SC_CLK_TCK")
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if (p / "comm").read_text().strip() != "gcs_server" or marker.encode() not in (p / "cmdline").read_bytes():
+                continue
+            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / hz
+        except OSError:
+            continue
+    return None
+
+
 def watch(cluster: Cluster, t0: float, proc: subprocess.Popen, job_of, log_glob, n: int, timeout: float,
-          r: Launch) -> str:
+          r: Launch, gcs_marker=None) -> str:
     """Poll until the task-0 log shows all n nodes registered (or the job ended, or timeout); fill
     r.marks and r.job. Returns the task-0 log text."""
     registered, head = f"all {n} node(s) registered", "Ray head up at"
@@ -216,6 +252,8 @@ def watch(cluster: Cluster, t0: float, proc: subprocess.Popen, job_of, log_glob,
                 r.marks.setdefault("head", now - t0)
             if registered in text:
                 r.marks["registered"] = now - t0
+                if gcs_marker is not None:
+                    r.gcs_cpu_s = gcs_cpu_seconds(gcs_marker(r.job))
                 return text
         if r.job and now > next_check:  # a job that ended without registering all nodes
             next_check = now + 2.0
@@ -226,13 +264,14 @@ def watch(cluster: Cluster, t0: float, proc: subprocess.Popen, job_of, log_glob,
     return text
 
 
-def submit_and_time(cluster: Cluster, r: Launch, cmd: list, cwd: Path, job_of, logs, n: int, timeout: float) -> str:
+def submit_and_time(cluster: Cluster, r: Launch, cmd: list, cwd: Path, job_of, logs, n: int, timeout: float,
+                    gcs_marker) -> str:
     """Submit `cmd`, time it to "all nodes registered" (watch), wait for the job to end; the task-0 log."""
     r.load = os.getloadavg()[0]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    text = watch(cluster, t0, proc, job_of, logs, n, timeout, r)
+    text = watch(cluster, t0, proc, job_of, logs, n, timeout, r, gcs_marker)
     if not r.job:
         return text
     m = re.search(r"registered in ([\d.]+)s", text)
@@ -243,17 +282,24 @@ def submit_and_time(cluster: Cluster, r: Launch, cmd: list, cwd: Path, job_of, l
     return text
 
 
-def launcher_once(cluster: Cluster, n: int, rep: int, work: Path, timeout: float) -> Launch:
+FAILED_ATTEMPT = re.compile(r"attempt \d+/\d+ to join failed")
+
+
+def launcher_once(cluster: Cluster, n: int, rep: int, work: Path, timeout: float, jitter: float,
+                  retries: int) -> Launch:
     r = Launch("launcher", n, rep)
     root = work / f"launcher-{n}n-{rep}"
     run_dir = root / f"slurm_{n}n-tiny_llama"
-    cmd = [PY, "-m", "launcher", f"topology=slurm_{n}n", "run.job=placement_smoke", f"run.root={root}",
-           f"+slurm.extra_sbatch.nodelist='node[1-{n}]'"]
+    cmd = [PY, "-m", "launcher", *slurm_shape(n), "run.job=placement_smoke", f"run.root={root}",
+           f"+slurm.extra_sbatch.nodelist='node[1-{n}]'", f"ray.join_jitter_s={jitter:g}", f"ray.join_retries={retries}"]
     text = submit_and_time(cluster, r, cmd, REPO, lambda out: (re.findall(r"submitted job (\d+)", out) or [None])[0],
-                           lambda: sorted(run_dir.glob("submitit/*/*_0_log.out")), n, timeout)
+                           lambda: sorted(run_dir.glob("submitit/*/*_0_log.out")), n, timeout,
+                           gcs_marker=lambda job: f"/tmp/ray_{job}_")
     if not r.job:
         return r
     fill_ray_start(r, [run_dir / "logs" / f"ray-node{i}.log" for i in range(1, n + 1)])
+    r.failed_attempts = sum(len(FAILED_ATTEMPT.findall(f.read_text(errors="replace")))
+                            for f in run_dir.glob(f"submitit/{r.job}/*_log.out"))
     if r.total is None or r.state != "COMPLETED":
         r.error = f"job {r.job} {r.state}; log tail: {text.strip()[-800:]}"
     return r
@@ -276,7 +322,7 @@ stop_ray() { kill -KILL -- "-$1" 2>/dev/null; wait "$1" 2>/dev/null; }
 if [ "$I" = 0 ]; then
   setsid "$RAY" start "${COMMON[@]}" --head --port=$PORT --include-dashboard=false > "$DIR/ray-$JOB-$I.log" 2>&1 &
   RP=$!
-  "$PY" "$DIR/bare_waiter.py" "$HEAD_IP" $PORT "$N"; rc=$?
+  "$PY" "$DIR/bare_waiter.py" "$HEAD_IP" $PORT "$N" __LIMIT__; rc=$?
   touch "$DIR/done-$JOB"
   stop_ray $RP
   exit $rc
@@ -285,16 +331,24 @@ until (exec 3<>"/dev/tcp/$HEAD_IP/$PORT") 2>/dev/null; do
   [ -e "$DIR/done-$JOB" ] && exit 1
   sleep 0.1
 done
-setsid "$RAY" start "${COMMON[@]}" --address="$HEAD_IP:$PORT" > "$DIR/ray-$JOB-$I.log" 2>&1 &
-RP=$!
-for _ in $(seq 1200); do [ -e "$DIR/done-$JOB" ] && break; sleep 0.1; done
+# all workers start at once; one whose `ray start` ends before the job is done (Ray refused it)
+# retries after a random delay below JITTER seconds, RETRIES attempts in all (as the launcher does)
+for attempt in $(seq __RETRIES__); do
+  setsid "$RAY" start "${COMMON[@]}" --address="$HEAD_IP:$PORT" > "$DIR/ray-$JOB-$I.log" 2>&1 &
+  RP=$!
+  while [ ! -e "$DIR/done-$JOB" ] && kill -0 $RP 2>/dev/null; do sleep 0.1; done
+  [ -e "$DIR/done-$JOB" ] && break
+  wait $RP 2>/dev/null
+  echo "node $I: attempt $attempt failed" >> "$DIR/failed-$JOB"
+  sleep "$(awk -v r=$RANDOM -v j=__JITTER__ 'BEGIN { printf "%.2f", r / 32768 * j }')"
+done
 stop_ray $RP
 exit 0
 """
 
-BARE_WAITER = r"""import socket, sys, time
-ip, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-deadline = time.time() + 120
+BARE_WAITER = r"""import json, socket, statistics, sys, time
+ip, port, n, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+deadline = time.time() + limit
 while True:
     try:
         socket.create_connection((ip, port), timeout=1).close()
@@ -312,11 +366,18 @@ while sum(1 for x in ray.nodes() if x["Alive"]) < n:
         sys.exit(f"error: only {sum(1 for x in ray.nodes() if x['Alive'])} of {n} nodes registered")
     time.sleep(0.1)
 print(f"all {n} node(s) registered in {time.time() - t0:.1f}s ({time.time():.3f})", flush=True)
+calls = []
+for _ in range(5):  # the driver's per-check question, with all n nodes in the answer
+    t = time.perf_counter()
+    answer = ray.nodes()
+    calls.append(time.perf_counter() - t)
+print(f"ray.nodes(): {statistics.median(calls) * 1000:.1f} ms, {len(json.dumps(answer, default=str))} bytes", flush=True)
 ray.shutdown()
 """
 
 
-def bare_once(cluster: Cluster, n: int, rep: int, work: Path, auth: str, timeout: float, keep: bool) -> Launch:
+def bare_once(cluster: Cluster, n: int, rep: int, work: Path, auth: str, timeout: float, keep: bool,
+              jitter: float, retries: int) -> Launch:
     r = Launch(f"bare ({auth})", n, rep)
     d = work / f"bare-{auth}-{n}n-{rep}"
     d.mkdir(parents=True)
@@ -329,7 +390,9 @@ def bare_once(cluster: Cluster, n: int, rep: int, work: Path, auth: str, timeout
         auth_env = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token}"
     ray_bin = str(Path(PY).with_name("ray"))
     (d / "bare_task.sh").write_text(BARE_TASK.replace("__DIR__", str(d)).replace("__RAY__", ray_bin)
-                                    .replace("__PY__", PY).replace("__AUTH__", auth_env))
+                                    .replace("__PY__", PY).replace("__AUTH__", auth_env)
+                                    .replace("__RETRIES__", str(retries)).replace("__JITTER__", f"{jitter:g}")
+                                    .replace("__LIMIT__", f"{timeout:.0f}"))
     (d / "bare_waiter.py").write_text(BARE_WAITER)
     (d / "job.sbatch").write_text(
         "#!/bin/bash\n"
@@ -339,16 +402,28 @@ def bare_once(cluster: Cluster, n: int, rep: int, work: Path, auth: str, timeout
         f"srun --unbuffered --kill-on-bad-exit=1 --output {d}/%j_%t_log.out bash {d}/bare_task.sh\n")
     text = submit_and_time(cluster, r, ["sbatch", "--parsable", str(d / "job.sbatch")], d,
                            lambda out: (re.findall(r"^(\d+)", out.strip()) or [None])[0],
-                           lambda: sorted(d.glob("*_0_log.out")), n, timeout)
+                           lambda: sorted(d.glob("*_0_log.out")), n, timeout, gcs_marker=lambda job: f"/tmp/rb_{job}_")
     if not r.job:
         return r
     fill_ray_start(r, [d / f"ray-{r.job}-{i}.log" for i in range(n)])
+    failed = d / f"failed-{r.job}"
+    r.failed_attempts = len(failed.read_text().splitlines()) if failed.exists() else 0
+    m = re.search(r"ray.nodes\(\): ([\d.]+) ms, (\d+) bytes", text + _read(d / f"{r.job}_0_log.out"))
+    if m:
+        r.nodes_ms, r.nodes_bytes = float(m.group(1)), int(m.group(2))
     left = reap_leftovers(f"/tmp/rb_{r.job}_", remove=not keep)
     if left:
         print(f"  note: {left} process(es) of bare job {r.job} outlived it (killed by PID)", flush=True)
     if r.total is None or r.state != "COMPLETED":
         r.error = f"job {r.job} {r.state}; log tail: {text.strip()[-800:]}"
     return r
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def reap_leftovers(marker: str, remove: bool) -> int:
@@ -450,19 +525,47 @@ def tables(results: list[Launch], sizes: list[int], kinds: list[str]) -> str:
     return "\n".join(lines)
 
 
+def node_costs(results: list[Launch], sizes: list[int], kinds: list[str]) -> str:
+    """The per-node costs behind the join, per node count and path (medians over repeats)."""
+    lines = ["Per-node costs (median over repeats; a worker's `ray start`: its own log, first line to \"Ray "
+             "runtime started\", over the workers that got there; failed attempts: all workers, per launch)", "",
+             "| nodes | path | worker `ray start` s (median) | (max) | failed attempts | head GCS CPU-s at all "
+             "registered | ray.nodes() ms | ray.nodes() KiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n in sizes:
+        for k in kinds:
+            rs = [r for r in results if r.nodes == n and r.kind == k and r.total is not None]
+            if not rs:
+                continue
+            workers = [sec for r in rs for i, sec in r.ray_start.items() if i > 0]
+            kib = med([r.nodes_bytes / 1024 for r in rs if r.nodes_bytes])
+            lines.append(f"| {n} | {k} | {fmt(med(workers))} | {fmt(max(workers) if workers else None)} | "
+                         f"{fmt(med([r.failed_attempts for r in rs]), 0)} | {fmt(med([r.gcs_cpu_s for r in rs]), 2)} | "
+                         f"{fmt(med([r.nodes_ms for r in rs]))} | {fmt(kib)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 3, 4], help="node counts (topology slurm_<n>n)")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16],
+                    help="node counts (topology slurm_<n>n, or slurm_4n scaled to a power of two)")
     ap.add_argument("--repeats", type=int, default=2, help="launches per path and node count (median)")
     ap.add_argument("--bare-auth", choices=["disabled", "token", "both"], default="disabled",
                     help="bare Ray's RAY_AUTH_MODE (the launcher always uses a per-job token)")
-    ap.add_argument("--timeout", type=float, default=240, help="seconds per launch before it counts as failed")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per launch before it counts as failed")
+    ap.add_argument("--join-jitter", type=float, default=10.0,
+                    help="both paths: a worker retries a failed `ray start` after a random delay below this "
+                         "(the launcher's ray.join_jitter_s; its default 10)")
+    ap.add_argument("--join-retries", type=int, default=3,
+                    help="both paths: `ray start` attempts per worker (the launcher's ray.join_retries; default 3)")
     ap.add_argument("--lock-wait", type=float, default=900, help="seconds to wait for the cluster lock")
     ap.add_argument("--keep", action="store_true", help="keep the run directories and logs")
     args = ap.parse_args(argv)
     for n in args.nodes:
-        if not (REPO / "conf" / "topology" / f"slurm_{n}n.yaml").is_file():
-            ap.error(f"no topology conf/topology/slurm_{n}n.yaml")
+        try:
+            slurm_shape(n)
+        except ValueError as e:
+            ap.error(f"--nodes: {e}")
     kinds = ["launcher"] + ([f"bare ({a})" for a in ("disabled", "token")] if args.bare_auth == "both"
                             else [f"bare ({args.bare_auth})"])
     signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))
@@ -478,13 +581,15 @@ def main(argv: list[str] | None = None) -> int:
                     order = kinds if rep % 2 == 0 else kinds[::-1]  # alternate who goes first
                     for k in order:
                         if k == "launcher":
-                            r = launcher_once(cluster, n, rep, work, args.timeout)
+                            r = launcher_once(cluster, n, rep, work, args.timeout, args.join_jitter, args.join_retries)
                         else:
-                            r = bare_once(cluster, n, rep, work, k[6:-1], args.timeout, args.keep)
+                            r = bare_once(cluster, n, rep, work, k[6:-1], args.timeout, args.keep, args.join_jitter,
+                                          args.join_retries)
                         results.append(r)
                         ph = " ".join(f"{p}={v:.2f}" for p, v in r.marks.items())
                         print(f"{n} nodes, {k:<15} rep {rep}: job {r.job or '-'} {r.state or ''} "
-                              f"{fmt(r.total, 2) or 'FAILED'} s  [{ph}] load {r.load:.1f}"
+                              f"{fmt(r.total, 2) or 'FAILED'} s  [{ph}] load {r.load:.1f}; failed attempts "
+                              f"{r.failed_attempts}, head GCS {fmt(r.gcs_cpu_s, 2)} CPU-s"
                               + (f"\n  {r.error}" if r.error else ""),
                               flush=True)
     finally:
@@ -494,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(tables(results, args.nodes, kinds))
+    print()
+    print(node_costs(results, args.nodes, kinds))
     bad = [r for r in results if r.error]
     loads = [r.load for r in results] or [0.0]
     print(f"\n{len(results)} launches in {time.time() - t_all:.0f}s; {len(bad)} failed; 1-min load average at "

@@ -6,19 +6,22 @@ path) or through `srun python -m launcher.cluster.bootstrap RUN_DIR` (the sbatch
 - Task 0 starts the Ray head on its node with token authentication (a fresh per-job token, file
   mode 0600) and no dashboard beyond loopback, publishes `head.json` in the rendezvous directory
   on the shared run directory, then runs the driver.
-- Other tasks wait for `head.json` and for the head's port to answer, then join with the role
-  resources the plan gives their node, retrying a failed `ray start` a few times. A node that
-  cannot join writes `failed_node<i>.json`, so the driver fails at once naming it; so does a node
-  whose Ray stops once the run has started (node 0's main thread watches its own).
-- The driver waits until every planned node has registered; after `ray.register_timeout_s` it
-  fails naming the missing nodes. When the driver ends it writes `done`; every task then stops
-  its own `ray start` process tree by PID (never `ray stop`, which kills every Ray on the host).
+- Other tasks wait for `head.json` and for the head's port to answer, then all join at once with
+  the role resources the plan gives their node (no order among them: launcher.cluster.join),
+  retrying a failed `ray start` a few times after a random delay. A node that cannot join writes
+  `failed_node<i>.json`, so the driver fails at once naming it; so does a node whose Ray stops
+  once the run has started (node 0's main thread watches its own; launcher.cluster.watch).
+- The driver waits while nodes keep registering; once none has registered for
+  `ray.register_timeout_s` it fails naming the missing nodes. When the driver ends it writes
+  `done`; every task then stops its own `ray start` process tree by PID (never `ray stop`, which
+  kills every Ray on the host).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import subprocess
 import sys
@@ -28,10 +31,11 @@ from pathlib import Path
 
 from launcher import plan as plan_mod
 from launcher import progress
-from launcher.cluster.context import ClusterError, JobContext, alive_resources, check_alive, check_reports, log
-from launcher.cluster.ray_node import (connect, disconnect, driver_env, fatal_ray_error, free_port, port_open,
-                                       resolve_ip, start_ray, stop_process_tree, tail, wait_for_nodes, wait_port,
-                                       write_json)
+from launcher.cluster.context import ClusterError, JobContext, log
+from launcher.cluster.join import retry_delay
+from launcher.cluster.ray_node import (connect, disconnect, driver_env, free_port, resolve_ip, start_ray,
+                                       stop_process_tree, wait_for_nodes, wait_port, write_json)
+from launcher.cluster.watch import WORKER_TICK_S, HeadWatch, WorkerWatch, ray_exit, ray_stopped, write_node_report
 from launcher.config import compose as config_mod
 from launcher.config.schema import Config
 from launcher.job import stop
@@ -126,7 +130,7 @@ def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signal
     """Run `driver(cfg, plan, ctx, stop)` in a thread (job.stop.running): the main thread stays free
     to take signals, whose handlers set `stop`; the driver ends at its next step boundary. Every
     2 s the main thread checks that every node is still alive, whatever the driver waits for; the
-    head's own Ray (`ray_proc`, whose GCS the whole cluster needs) first."""
+    head's own Ray (`ray_proc`, whose GCS the whole cluster needs) first (watch.HeadWatch)."""
     box: dict = {}
 
     def target(stop_event):
@@ -136,50 +140,17 @@ def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signal
             box["error"] = e
 
     beat = progress.Heartbeat(log)  # "still <phase> (<elapsed>)" while one phase lasts
-    nodes = NodeQuery()
+    watch = HeadWatch(ctx, plan, ray_proc)  # a lost node ends the run now
     with stop.running(target, signals or {}) as current:
-        next_check = 0.0
         while current.thread.is_alive():
             current.thread.join(0.5)
-            stop.poll_stop_request(ctx.run_dir)  # `python -m launcher.stop`: like a preemption, no requeue
-            if time.time() >= next_check and current.thread.is_alive():  # a lost node ends the run now
-                if ray_proc is not None and ray_proc.poll() is not None:  # the head's own Ray
-                    _write_node_report(ctx, _ray_stopped(ctx, ray_proc))
-                check_reports(ctx, plan)
-                alive = nodes.latest()  # never waits for the GCS (a dead head's does not answer)
-                if alive is not None:
-                    check_alive(ctx, plan, alive)
-                next_check = time.time() + 2.0
+            if current.thread.is_alive():
+                watch.tick(time.time())
             if cfg.run.job == "grpo":  # the other job kinds wait on purpose (hold) or are short
                 beat.tick(progress.phase_text(ctx.progress))
     if "error" in box:
         raise box["error"]
     return box["result"]
-
-
-class NodeQuery:
-    """Ray's list of alive nodes for the watch loop, asked in a daemon thread of its own: the main
-    thread never blocks on the GCS. While an answer is pending (the GCS is slow, or gone with the
-    head's Ray, which the loop sees from `ray start` ending) the loop goes on without one."""
-
-    def __init__(self):
-        self._thread: threading.Thread | None = None
-        self._answer: set[str] | None = None
-
-    def latest(self) -> set[str] | None:
-        """The answer of the last query, if it has come (and then ask again); None while pending."""
-        if self._thread is not None and self._thread.is_alive():
-            return None
-        answer, self._answer = self._answer, None
-        self._thread = threading.Thread(target=self._ask, name="ray-nodes", daemon=True)
-        self._thread.start()
-        return answer
-
-    def _ask(self) -> None:
-        try:
-            self._answer = alive_resources()
-        except Exception:  # noqa: BLE001 - disconnected meanwhile: no answer; the reports still count
-            self._answer = None
 
 
 # ----------------------------------------------------------------------------------------- head
@@ -254,59 +225,31 @@ def run_worker(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> dict:
         wait_port(head["ip"], head["port"], timeout=cfg.ray.register_timeout_s, what="the Ray head")
     except ClusterError as e:
         return _report_failure(ctx, str(e))
-    time.sleep(0.3 * ctx.node_index)  # stagger joins: many raylets at once miss Ray's registration window
+    rng = random.Random()  # seeded from the OS: the nodes' retries must not line up again
     reason = ""
     for attempt in range(1, cfg.ray.join_retries + 1):
+        if attempt > 1:
+            time.sleep(retry_delay(attempt, cfg.ray.join_jitter_s, rng))
         started = time.time()
         proc = start_ray(ctx, cfg, node, head_ip=head["ip"], port=head["port"], head=False)
-        fatal = None
+        watch = WorkerWatch(ctx, head, proc, started, rng=rng)
         try:
-            while not done.exists() and proc.poll() is None:
-                fatal = fatal_ray_error(ctx.ray_temp_dir, since=started)
-                if fatal:
-                    break
-                if not port_open(head["ip"], head["port"]) and not _head_back(head, done):
-                    raise ClusterError(f"the Ray head {head['host']} stopped answering")
-                time.sleep(1.0)
+            while (state := watch.check(time.time())) is None:
+                time.sleep(WORKER_TICK_S)
         finally:
             stop_process_tree(proc)
-        if done.exists():
+        if state == "done" or done.exists():
             return {"node": ctx.hostname, "role": "worker", "joined": True, "attempts": attempt}
         if (ctx.rendezvous / "registered").exists():  # the run had started: rejoining cannot help it
-            return _report_failure(ctx, _ray_stopped(ctx, proc, fatal))
-        reason = fatal or _ray_exit(ctx, proc)
+            return _report_failure(ctx, ray_stopped(ctx, proc, watch.fatal), "left the Ray cluster")
+        reason = watch.fatal or ray_exit(ctx, proc)
         log(f"{ctx.hostname}: attempt {attempt}/{cfg.ray.join_retries} to join failed: {reason}")
-        time.sleep(1.0)
     return _report_failure(ctx, f"{cfg.ray.join_retries} attempts failed; last: {reason}")
 
 
-def _head_back(head: dict, done: Path, grace_s: float = 20.0) -> bool:
-    """True if the head answers again within grace_s (or the job finished meanwhile)."""
-    t = time.time() + grace_s
-    while time.time() < t:
-        if done.exists() or port_open(head["ip"], head["port"]):
-            return True
-        time.sleep(1.0)
-    return False
-
-
-def _ray_exit(ctx: JobContext, proc: subprocess.Popen) -> str:
-    return f"`ray start` exited with code {proc.returncode} ({tail(ctx.log_path('ray'))})"
-
-
-def _ray_stopped(ctx: JobContext, proc: subprocess.Popen, fatal: str | None = None) -> str:
-    return f"this node's Ray stopped: {fatal or _ray_exit(ctx, proc)}"
-
-
-def _write_node_report(ctx: JobContext, reason: str) -> None:
-    """RUN/ray/<job>.<attempt>/failed_node<i>.json: what check_reports (and failures.lost_node) name."""
-    write_json(ctx.rendezvous / f"failed_node{ctx.node_index}.json",
-               {"node_index": ctx.node_index, "host": ctx.hostname, "reason": reason, "log": str(ctx.log_path("ray"))})
-
-
-def _report_failure(ctx: JobContext, reason: str) -> dict:
-    log(f"{ctx.hostname}: cannot join the Ray cluster: {reason}")
-    _write_node_report(ctx, reason)
+def _report_failure(ctx: JobContext, reason: str, what: str = "cannot join the Ray cluster") -> dict:
+    log(f"{ctx.hostname}: {what}: {reason}")
+    write_node_report(ctx, reason)
     # exit 0: the driver reports the failure with the whole picture; a non-zero exit would make
     # srun (--kill-on-bad-exit) kill the driver before it can say what happened
     return {"node": ctx.hostname, "role": "worker", "joined": False, "error": reason}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from launcher import plan as plan_mod
 from launcher.cluster.context import ClusterError, JobContext, alive_resources, log
+from launcher.cluster.join import JoinDeadline, index_ranges
 from launcher.config.schema import Config
 from launcher.job import stop
 
@@ -44,13 +45,20 @@ def disconnect() -> None:
             ray.shutdown()  # before the head goes, else interpreter exit can hang
 
 
-def wait_for_nodes(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> None:
-    """Block until every planned node is registered in Ray; fail fast naming the missing ones."""
-    deadline = time.time() + cfg.ray.register_timeout_s
-    t0 = time.time()
+def wait_for_nodes(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, poll_s: float = 0.5,
+                   query=alive_resources, clock=time.time, sleep=time.sleep) -> None:
+    """Block until every planned node is registered in Ray; fail at once naming a node that
+    reported it could not join, or naming the missing ones once no further node has registered for
+    `ray.register_timeout_s` (launcher.cluster.join: the deadline follows progress). Each poll is
+    one call to Ray's node list (`query`) and one listing of the rendezvous directory, whatever the
+    node count."""
+    t0 = clock()
+    deadline = JoinDeadline([n.index for n in plan.nodes], cfg.ray.register_timeout_s, now=t0)
+    index_of = {plan_mod.node_resource(n.index): n.index for n in plan.nodes}
     while True:
-        alive = alive_resources()
-        missing = [n for n in plan.nodes if plan_mod.node_resource(n.index) not in alive]
+        alive = query()
+        now = clock()
+        deadline.observe((index_of[r] for r in alive if r in index_of), now)
         fatal = fatal_ray_error(ctx.ray_temp_dir, since=0.0)  # this job attempt's own temp dir
         if fatal:
             raise ClusterError(f"node 0 ({ctx.hostname}, head): {fatal}")
@@ -60,16 +68,27 @@ def wait_for_nodes(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> None:
             raise ClusterError("; ".join(
                 f"node {r['node_index']} ({r['host']}, {'+'.join(plan.nodes[r['node_index']].roles)}) could not "
                 f"join the Ray cluster: {r['reason']} (log: {r['log']})" for r in reports))
-        if not missing:
-            log(f"all {len(plan.nodes)} node(s) registered in {time.time() - t0:.1f}s")
+        if deadline.complete():
+            log(f"all {len(plan.nodes)} node(s) registered in {now - t0:.1f}s")
             return
-        if time.time() > deadline:
-            raise ClusterError(
-                f"{len(missing)} of {len(plan.nodes)} node(s) did not register with the Ray head within "
-                f"{cfg.ray.register_timeout_s:.0f}s: " + ", ".join(
-                    f"node {n.index} ({ctx.hostnames[n.index]}, {'+'.join(n.roles)}; log: "
-                    f"{ctx.run_dir / 'logs' / f'ray-{ctx.hostnames[n.index]}.log'})" for n in missing))
-        time.sleep(0.5)
+        if deadline.expired(now):
+            raise ClusterError(_not_registered(ctx, plan, deadline, now))
+        sleep(poll_s)
+
+
+def _not_registered(ctx: JobContext, plan: plan_mod.Plan, deadline: JoinDeadline, now: float, named: int = 16) -> str:
+    """'3 of 16 node(s) did not register ...: node 2 (node3, generation; log: ...), ...': the first
+    `named` with their logs, the rest as index ranges (a thousand-node job must stay one line)."""
+    missing = deadline.missing
+    last = (f"the last of {len(deadline.seen)} registered {deadline.last_progress - deadline.started:.1f}s after the "
+            f"head started" if deadline.seen else "none registered")
+    text = (f"{len(missing)} of {len(plan.nodes)} node(s) did not register with the Ray head: no further node "
+            f"registered for {deadline.stalled_for(now):.1f}s (ray.register_timeout_s={deadline.stall_s:g}; {last}): "
+            + ", ".join(f"node {i} ({ctx.hostnames[i]}, {'+'.join(plan.nodes[i].roles)}; log: "
+                        f"{ctx.run_dir / 'logs' / f'ray-{ctx.hostnames[i]}.log'})" for i in missing[:named]))
+    if len(missing) > named:
+        text += f"; and {len(missing) - named} more: nodes {index_ranges(missing[named:])}"
+    return text
 
 
 def auth_env(ctx: JobContext) -> dict[str, str]:

@@ -246,6 +246,7 @@ FIELDS: dict[str, Range | OneOf | Text | Elsewhere | Free] = {
     "ray.object_store_mb": Range(75, None),   # Ray refuses an object store under 75 MiB
     "ray.register_timeout_s": Range(0, None, lo_open=True),
     "ray.join_retries": Range(1, 100),
+    "ray.join_jitter_s": Range(0, 600),
     "logging.wandb_project": Text(),
     "logging.wandb_entity": Text(),
     "retry.max_restarts": Range(None, 100, also_bad=(-1,)),

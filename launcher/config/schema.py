@@ -328,8 +328,9 @@ class RayCfg:
     min_worker_port: int = 10002
     max_worker_port: int = 10999
     object_store_mb: int = 256        # per node
-    register_timeout_s: float = 120.0  # the driver fails, naming the missing nodes, after this
+    register_timeout_s: float = 120.0  # the driver fails, naming the missing nodes, when no further node registered for this long
     join_retries: int = 3
+    join_jitter_s: float = 10.0       # a worker retries a refused `ray start` after a random delay below this
 
 
 @dataclass

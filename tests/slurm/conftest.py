@@ -15,10 +15,12 @@ are skipped, except under CI (CI=true), where that is a failure.
 
 submitit and the Slurm commands find the cluster through SLURM_CONF, set in os.environ for the
 session. Use a fresh submitit folder per test (tmp_path): /tmp is shared by all nodes.
-Knobs: SLURM_TEST_ROOT (/tmp/slurm-test), SLURM_TEST_NODES (6), SLURM_TEST_LOCK_WAIT_S (120).
-6 nodes: the reference topology (ultra_6n4g, tests/slurm/test_ultra_placement.py) needs 6; the
-other tests use 3 nodes at most (most pin node[1-3]). An idle node costs one slurmd (~5 MB) and
-no measurable bring-up time (4 nodes 2.8 s, 6 nodes 2.9 s).
+Knobs: SLURM_TEST_ROOT (/tmp/slurm-test), SLURM_TEST_NODES (16), SLURM_TEST_LOCK_WAIT_S (120).
+16 nodes: room for the join at scale (test_launcher_on_slurm.py::test_a_many_node_job_..., 8 nodes,
+16 with SLURM_TEST_JOIN_NODES=16); the reference topology (ultra_6n4g, test_ultra_placement.py)
+needs 6, the other tests 3 at most (most pin node[1-3]); a test that needs more nodes than the
+cluster has skips. An idle node costs one slurmd (~5 MB) and little bring-up time (4 nodes 2.8 s,
+6 nodes 2.9 s on a quiet machine; 6, 8 and 16 nodes 15.5, 14.3 and 16.9 s under load average 22-32).
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def slurm_cluster():
         _unavailable("cannot create network/UTS namespaces here (unshare --net --uts failed)")
 
     root = Path(os.environ.get("SLURM_TEST_ROOT", "/tmp/slurm-test"))
-    env = {**os.environ, "ROOT": str(root), "NNODES": os.environ.get("SLURM_TEST_NODES", "6"),
+    env = {**os.environ, "ROOT": str(root), "NNODES": os.environ.get("SLURM_TEST_NODES", "16"),
            "SLURM_TEST_LOCK_HELD": "1"}     # we hold the lock, the scripts must not wait for it
     # one cluster per machine: wait for another session's cluster to be released
     root.parent.mkdir(parents=True, exist_ok=True)

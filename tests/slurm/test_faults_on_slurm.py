@@ -5,9 +5,7 @@ requeues itself, resumes from the latest checkpoint and finishes with all its st
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +15,7 @@ import pytest
 
 from tests.helpers.held_step import HELD_REWARD, release, steps_logged, wait_held, wait_until
 from tests.helpers.preemption import job_ended
+from tests.helpers.slurm_nodes import kill_ray_daemon as kill_raylet
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -30,20 +29,6 @@ def submit(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     return re.search(r"submitted job (\d+)", p.stdout).group(1), tmp_path / "slurm_3n-tiny_llama"
-
-
-def kill_raylet(node: str, job: str, daemon: str = "raylet") -> None:
-    """SIGKILL the job's Ray `daemon` (raylet, gcs_server) on `node` (in its network namespace)."""
-    pids = subprocess.run(["ip", "netns", "pids", f"slt-{node}"], capture_output=True, text=True).stdout.split()
-    for pid in pids:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if daemon in cmd.split("\0")[0] and f"ray_{job}_" in cmd:
-            os.kill(int(pid), signal.SIGKILL)
-            return
-    raise AssertionError(f"no {daemon} of job {job} on {node}")
 
 
 def log_of(run: Path, job: str) -> str:
@@ -75,7 +60,7 @@ def test_lost_node_fails_the_job_fast_with_its_name(slurm_cluster, tmp_path):
 def test_the_heads_ray_lost_fails_the_job_fast_naming_the_head(slurm_cluster, tmp_path):
     """node 0's GCS dies in step 3 (the whole cluster's state: nothing can go on, though the actors'
     direct calls may finish a step or two): node 0's main thread sees its own `ray start` end and
-    names node 0; it never waits on the dead GCS (bootstrap.NodeQuery); a trainer's collective
+    names node 0; it never waits on the dead GCS (watch.NodeQuery); a trainer's collective
     failing with it says the same node (failures.lost_node)."""
     job, run = submit(tmp_path)
     wait_held(run, job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out"), timeout=420)
