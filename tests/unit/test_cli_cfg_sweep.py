@@ -247,11 +247,12 @@ def local_run(tmp_path: Path, steps: int) -> Path:
     m = MetricsLogger(run, Logging(tensorboard=False), total_steps=6)
     for s in range(1, steps + 1):
         m.log(s, {"train/reward": 0.1 * s, "timing/total_step": 2.0, "val/reward": 0.05 * s})
+    from tests.helpers.checkpoints import trainer_state
+
     mgr = CheckpointManager(run / "checkpoints", Checkpointing())
     tmp = mgr.begin(2)
-    (tmp / "trainer").mkdir()
-    (tmp / "trainer" / "state.bin").write_bytes(b"x")
-    mgr.commit(tmp, 2, {"consumed_prompts": 8, "metrics": {}}, "config")
+    trainer_state(tmp / "trainer", 2)
+    mgr.commit(tmp, 2, {"consumed_prompts": 8, "metrics": {}}, shown.stdout)
     (run / "ray" / f"local-{os.getpid()}.0").mkdir(parents=True)
     return run
 
