@@ -127,7 +127,7 @@ def collect(run_dir: Path, slurm: bool = True) -> dict:
     jid = job.get("job_id")
     logs = [p for p in ([run_dir / "submitit" / str(jid) / f"{jid}_0_log.out",
                          run_dir / "submitit" / str(jid) / f"{jid}_0_log.err",
-                         run_dir / "logs" / f"sbatch-{jid}.out"] if jid else []) if p.is_file()]
+                         run_dir / paths.LOGS / f"sbatch-{jid}.out"] if jid else []) if p.is_file()]
     return {
         "run": run_dir.name, "run_dir": str(run_dir), "executor": executor,
         "job_id": jid, "state": job["state"], "reason": job["reason"], "source": job["source"],
@@ -139,7 +139,7 @@ def collect(run_dir: Path, slurm: bool = True) -> dict:
         "seconds_per_step": sps, "eta_s": progress.eta(step, total, sps) if job["state"] == "RUNNING" else None,
         "checkpoint": str(ckpt) if ckpt else None,
         "stop_requested": stop_mod.stop_requested(run_dir), "stopped": stopped,
-        "logs": [str(p) for p in logs] + [str(run_dir / "logs")],
+        "logs": [str(p) for p in logs] + [str(run_dir / paths.LOGS)],
         "last_row": last,
     }
 
@@ -176,9 +176,9 @@ def runs_of(args: list[str]) -> list[Path]:
         folders = [Path(cfg.run.root).expanduser().resolve()]
     out: list[Path] = []
     for d in folders:
-        if (d / "config.yaml").is_file():
+        if (d / paths.CONFIG).is_file():
             out.append(d.resolve())
-        elif (d / "sweep.jsonl").is_file():
+        elif (d / paths.SWEEP_RECORD).is_file():
             out += [Path(r["run_dir"]) for r in read_sweep(d)]
         elif d.is_dir():
             found = sorted(p.parent for p in d.glob("*/config.yaml"))

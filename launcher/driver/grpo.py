@@ -240,7 +240,7 @@ class GrpoRun:
                 self.save(step, position, {}, config_yaml)
         finally:
             metrics.close()
-        rows = read(self.run_dir / "metrics.jsonl")
+        rows = read(self.run_dir / paths.METRICS)
         plot(rows, self.run_dir / "reward.png")
         table = summary(rows)
         table += "\n" + summary_text(self.startup, [r for r in rows if r["step"] >= first_step])
