@@ -204,7 +204,7 @@ def _multirun(overrides: list[str], opts: Options) -> int:
             bases.append("run")
             failed[p.index] = e
     sweep_mod.name_points(points, bases)
-    runs, bad = [], 0
+    runs, problems = [], []
     for p in points:
         try:
             if p.index in failed:
@@ -212,13 +212,16 @@ def _multirun(overrides: list[str], opts: Options) -> int:
             r, errors = _resolve([*p.overrides, f"run.name='{p.name}'"], printing=bool(opts.cfg))
         except ConfigError as e:
             r, errors = None, [e]
-        for e in errors:
-            print(f"error: point {p.index} ({p.label()}): {e}", file=sys.stderr)
-        bad += bool(errors)
+        problems += [(p, e) for e in errors]
         runs.append(r)
-    if bad:
-        print(f"error: {bad} of {len(points)} sweep point(s) invalid; nothing was written or submitted",
-              file=sys.stderr)
+    if problems:  # one line per mistake; one mistake: one line
+        bad = len({p.index for p, _ in problems})
+        for p, e in problems:
+            last = "; nothing was written or submitted" if len(problems) == 1 else ""
+            print(f"error: point {p.index} ({p.label()}): {e}{last}", file=sys.stderr)
+        if len(problems) > 1:
+            print(f"error: {bad} of {len(points)} sweep point(s) invalid; nothing was written or submitted",
+                  file=sys.stderr)
         return 2
     for key in ("dry_run", "submit"):
         if len({getattr(r.cfg, key) for r in runs}) > 1:
@@ -236,13 +239,14 @@ def _multirun(overrides: list[str], opts: Options) -> int:
         print(f"\n== sweep of {len(points)} point(s) (dry run: nothing written or submitted)")
         print(sweep_mod.table(points, [{"state": "dry run"}] * len(points)))
         return 0
-    for p, r in zip(points, runs):  # refusals (a run that already holds checkpoints...) before any submission
+    for p, r in zip(points, runs):  # refusals (a run that already holds checkpoints...) before any point is written
         try:
-            run_dir_mod.prepare(r.cfg, r.raw, r.plan, r.run_dir, r.spec, runs_here=False)
+            run_dir_mod.check(r.cfg, r.run_dir)
         except ConfigError as e:
-            print(f"error: point {p.index} ({p.label()}): {e}", file=sys.stderr)
-            print("error: nothing was submitted", file=sys.stderr)
+            print(f"error: point {p.index} ({p.label()}): {e}; nothing was written or submitted", file=sys.stderr)
             return 2
+    for p, r in zip(points, runs):
+        run_dir_mod.prepare(r.cfg, r.raw, r.plan, r.run_dir, r.spec, runs_here=False)
     sdir = sweep_mod.sweep_dir(runs[0].run_dir.parent, bases[0])
     # the sweep's record names every point's overrides (slurm.setup secrets included): the run directory policy
     files.make_dir(sdir, files.Policy(all(r.cfg.run.shared_with_group for r in runs)))

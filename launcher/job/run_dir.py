@@ -109,7 +109,10 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
     if run_dir.resolve() in _HELD:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, files.Policy.of(cfg).file_mode)
-    os.fchmod(fd, files.Policy.of(cfg).file_mode)
+    try:
+        os.fchmod(fd, files.Policy.of(cfg).file_mode)
+    except PermissionError:  # another user's lock file: only tried
+        pass
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -130,12 +133,15 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
     _HELD[run_dir.resolve()] = fd
 
 
-def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, spec: sbatch.JobSpec | None,
-            runs_here: bool = True) -> None:
-    """Check the run directory may be used, then write config.yaml, plan.txt and ray_job.sbatch.
-    `runs_here`: a local run's job runs in this process (False: a local sweep's child runs it)."""
+def check(cfg: Config, run_dir: Path) -> tuple:
+    """Every refusal of a submission on this run directory, writing nothing: another job or a local
+    run uses it, its checkpoints live elsewhere, it holds checkpoints and this is not a resume, the
+    checkpoint to resume is unusable (its files and records) or the run is done. A sweep checks
+    every point before it writes any. Returns (the checkpoint folder, the resume's manager and
+    checkpoint, or None)."""
     ckpts = checkpoint_dirs(cfg, run_dir)
     _claim(cfg, run_dir, ckpts)
+    resumed = None
     if cfg.resume is not None:
         from launcher.driver.checkpoints import CheckpointManager, check_compatible, nothing_left
 
@@ -146,10 +152,21 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
             raise ConfigError("grpo.max_num_steps", f"{ckpt.path} is at step {ckpt.step}: the run has done its "
                                                     f"{cfg.grpo.max_num_steps} steps; to train on, resume with "
                                                     f"grpo.max_num_steps=N above {ckpt.step}")
+        resumed = (manager, ckpt)
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "
                                       f"continue it with +resume=latest, or start fresh with run.name=<new name>")
+    if (run_dir / IN_USE).is_file():
+        hold(cfg, run_dir, keep=False)  # only tries the lock a local run on this machine holds
+    return ckpts, resumed
+
+
+def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, spec: sbatch.JobSpec | None,
+            runs_here: bool = True) -> None:
+    """Check the run directory may be used (check), then write config.yaml, plan.txt and ray_job.sbatch.
+    `runs_here`: a local run's job runs in this process (False: a local sweep's child runs it)."""
+    ckpts, resumed = check(cfg, run_dir)
     policy = files.Policy.of(cfg)
     try:
         for d in (run_dir, run_dir / paths.LOGS, ckpts):  # also a run dir written before with wider modes:
@@ -157,7 +174,8 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     except OSError as e:
         raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
     hold(cfg, run_dir, keep=runs_here and spec is None and cfg.submit)  # before anything in it changes
-    if cfg.resume is not None:  # before the job can start or requeue: it must see only this branch
+    if resumed is not None:  # before the job can start or requeue: it must see only this branch
+        manager, ckpt = resumed
         aside = manager.start_branch(ckpt, run_dir)
         if aside is not None:
             moved = f"the newer checkpoints were moved to {aside}, " if aside.is_dir() else ""

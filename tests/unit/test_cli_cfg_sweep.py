@@ -164,9 +164,10 @@ def test_a_point_whose_run_holds_checkpoints_stops_the_sweep_before_any_submissi
     (tmp_path / "slurm_2n-tiny_llama-dim16" / "checkpoints" / "step_3").mkdir(parents=True)
     p = cli("-m", "topology=slurm_2n", "peft.dim=8,16", f"run.root={tmp_path}", "submit=false")
     assert p.returncode == 2
-    assert p.stderr.startswith("error: point 1 (peft.dim=16): run.name: ")
+    assert p.stderr.startswith("error: point 1 (peft.dim=16): run.name: ") and p.stderr.count("\n") == 1
     assert "already holds checkpoints (step_3)" in p.stderr
-    assert p.stderr.strip().endswith("error: nothing was submitted")
+    assert p.stderr.strip().endswith("; nothing was written or submitted")
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["slurm_2n-tiny_llama-dim16"]  # point 0 not written
     assert not (tmp_path / "sweeps").exists()
 
 
