@@ -128,9 +128,10 @@ def _ip(v: str) -> str | None:
 
 
 def _metrics(v: dict) -> str | None:
+    """The step's numbers (what the driver keeps of a metrics row: numbers and flags)."""
     for k, x in v.items():
-        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
-            return f"{k!r} must be a finite number, got {_short(x)}"
+        if not isinstance(x, (int, float)) or not math.isfinite(x):
+            return f"{k!r} must be a finite number or a flag, got {_short(x)}"
     return None
 
 

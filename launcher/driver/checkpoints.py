@@ -130,12 +130,16 @@ def _record(path: Path, record: records.Record) -> dict:
 def _check_trainer_step(path: Path, step: int) -> None:
     """The trainers' own step (saved in their state by workers.trainer.state.save_state) is the
     checkpoint's: a resume continues the optimizer and the scheduler from it."""
+    from workers import safe_unpickle
     from workers.trainer.state import SavedStateError, saved_trainer_info
 
     try:
         saved = saved_trainer_info(str(path / TRAINER))["step"]
     except SavedStateError as e:
         raise CheckpointError(str(e)) from None
+    except safe_unpickle.Refused as e:
+        raise CheckpointError(f"{path / TRAINER}: {e}; the checkpoint was not written by this launcher, nothing "
+                              f"was run") from None
     if saved != step:
         raise CheckpointError(f"{path / INFO}: step: {step}, but the trainer state in {path / TRAINER} is at step "
                               f"{saved}; the checkpoint's records disagree, not resumable")
@@ -267,6 +271,7 @@ class CheckpointManager:
         files.write_json(tmp / MANIFEST, {"files": _files(tmp)})
         # the trainer ranks' files brought to the folder's policy; a rerun of this step after a crash replaces it
         final = files.publish(tmp, self.root / f"step_{step}")
+        verify(final)  # what a resume checks: a writer and its reader that disagree fail here, loudly
         self._retain(final)
         return Checkpoint(step, final)
 

@@ -2,10 +2,10 @@
 
 `trainer_state(dir, step, tensors)` writes a torch distributed checkpoint the way megatron-core's
 torch_dist format does (what `workers.trainer.state.save_state` produces): the given tensors under
-their ShardedTensor keys plus the common state, one object under megatron's key
-`common_state/shard_0_1` whose bytes are `torch.save([common])` (megatron-core
-dist_checkpointing/strategies/torch.py `_mcore_to_torch_sharded_object`, read back by
-`serialization.load_common_state_dict` with `torch.load(weights_only=True)[0]`).
+their ShardedTensor keys plus the common state, one bytes item under megatron's key
+`common_state/shard_0_1` holding `torch.save([common])` as is (megatron-core
+dist_checkpointing/strategies/torch.py `_mcore_to_torch_sharded_object` and
+`MCoreSavePlanner.transform_object`; read back by `serialization.load_common_state_dict`).
 `checkpoint(root, step, ...)` commits a whole `step_N` with the launcher's CheckpointManager.
 """
 
@@ -17,20 +17,32 @@ from pathlib import Path
 COMMON_STATE_KEY = "common_state/shard_0_1"
 
 
+def save_like_megatron(state: dict, directory: Path) -> None:
+    """dcp.save as megatron's torch_dist does it: a bytes item is written as the bytes it holds
+    (megatron-core MCoreSavePlanner.transform_object: "bytes objects are already serialized"),
+    where DCP's default planner would torch.save the BytesIO object itself."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Planner(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            return object
+
+    with warnings.catch_warnings():  # "torch.distributed ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)), planner=Planner(), no_dist=True)
+
+
 def trainer_state(directory: Path, step: int, tensors: dict | None = None, **info) -> Path:
     import torch
-    import torch.distributed.checkpoint as dcp
 
     trainer = {"step": step, "layout": {"tp": 1, "pp": 1, "ep": 1, "dp": 1}, "peft": {}, "has_optimizer_state": False,
                **info}
     common = io.BytesIO()
     torch.save([{"trainer": trainer, "scheduler": {"num_steps": step}}], common)
-    import warnings
-
-    state = {**(tensors or {}), COMMON_STATE_KEY: common}
-    with warnings.catch_warnings():  # "torch.distributed ... uninitialized, assuming ... a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+    save_like_megatron({**(tensors or {}), COMMON_STATE_KEY: common}, directory)
     return Path(directory)
 
 
@@ -48,11 +60,18 @@ def checkpoint(root: Path, step: int, *, config: str | None = None, tensors: dic
     from launcher.config.schema import Checkpointing
     from launcher.driver.checkpoints import CheckpointManager
 
+    import shutil
+
     manager = CheckpointManager(Path(root), Checkpointing(keep_top_k=keep_top_k))
     tmp = manager.begin(step)
-    trainer_state(tmp / "trainer", step if trainer_step is None else trainer_step, tensors)
-    return manager.commit(tmp, step, {"consumed_prompts": consumed_prompts, "metrics": metrics or {}},
-                          config if config is not None else config_yaml()).path
+    trainer_state(tmp / "trainer", step, tensors)
+    final = manager.commit(tmp, step, {"consumed_prompts": consumed_prompts, "metrics": metrics or {}},
+                           config if config is not None else config_yaml()).path
+    if trainer_step is not None and trainer_step != step:  # forged afterwards (commit verifies what it wrote)
+        shutil.rmtree(final / "trainer")
+        trainer_state(final / "trainer", trainer_step, tensors)
+        rewrite_manifest(final)
+    return final
 
 
 def rewrite_manifest(ckpt: Path) -> None:

@@ -208,7 +208,7 @@ CASES = [
           ("no-consumed", {"step": 5}, "consumed_prompts: is missing"),
           ("a-list", [5, 0], "must hold a JSON object, got list"),
           ("metrics-text", {"step": 5, "consumed_prompts": 0, "metrics": {"train/reward": "high"}},
-           "metrics: 'train/reward' must be a finite number, got 'high'"),
+           "metrics: 'train/reward' must be a finite number or a flag, got 'high'"),
           ("metrics-list", {"step": 5, "consumed_prompts": 0, "metrics": [1]}, "metrics: must be an object, got list"),
           ("other-step-than-folder", {"step": 7, "consumed_prompts": 0},
            "step: 7, but the folder is step_5; the checkpoint's records disagree, not resumable"),

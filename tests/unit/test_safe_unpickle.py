@@ -292,3 +292,53 @@ def test_allowed_globals_are_exactly_the_checkpoint_classes():
     for module, names in safe_unpickle.ALLOWED.items():
         assert not names & {"eval", "exec", "compile", "open", "getattr", "setattr", "__import__", "globals",
                             "vars", "system", "load", "loads", "Popen", "partial", "import_module"}, module
+
+
+# ------------------------------------------------------------------ the bytes items of a DCP checkpoint
+
+
+def forge_common_state(trainer: Path, marker: Path) -> None:
+    """Rewrite the trainer state's common state (megatron's `common_state` bytes item, what
+    load_common_state_dict reads at every resume) as torch.save of an object that runs code."""
+    import io
+    import shutil
+
+    from tests.helpers.checkpoints import COMMON_STATE_KEY, save_like_megatron
+
+    shutil.rmtree(trainer)
+    common = io.BytesIO()
+    torch.save([{"trainer": {"step": 3}, "x": Payload(marker)}], common)
+    save_like_megatron({COMMON_STATE_KEY: common, "half": torch.zeros(4)}, trainer)
+
+
+def test_dcps_own_planner_runs_a_forged_common_state(checkpoint, tmp_path):
+    """The hole: DCP's DefaultLoadPlanner.load_bytes unpickles bytes items with weights_only=False,
+    so megatron's load_common_state_dict (every trainer rank at resume) ran the forged object.
+    Shown in a fresh process (this one has the restricted planner installed)."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    forge_common_state(checkpoint / "trainer", marker)
+    code = ("import io, torch.distributed.checkpoint as dcp\n"
+            "from torch.distributed.checkpoint import FileSystemReader\n"
+            f"box = {{'common_state/shard_0_1': io.BytesIO()}}\n"
+            f"dcp.load(box, storage_reader=FileSystemReader({str(checkpoint / 'trainer')!r}), no_dist=True)\n")
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", "from test_safe_unpickle import Payload\n" + code],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert marker.exists(), p.stderr[-2000:]
+
+
+def test_a_forged_common_state_is_refused_and_runs_nothing(checkpoint, tmp_path):
+    """With safe_unpickle installed (the driver's verify, the trainers, the exporter) bytes items
+    are read with torch.load(weights_only=True): refused, naming the global, nothing run."""
+    marker = tmp_path / "ran"
+    forge_common_state(checkpoint / "trainer", marker)
+    rewrite_manifest(checkpoint)
+    with pytest.raises(CheckpointError) as e:
+        verify(checkpoint)
+    assert str(e.value) == (f"{checkpoint / 'trainer'}: refused to unpickle posix.system (in the bytes item "
+                            f"common_state/shard_0_1: not plain checkpoint data); the checkpoint was not written by "
+                            f"this launcher, nothing was run")
+    assert not marker.exists()

@@ -126,6 +126,7 @@ def saved_trainer_info(directory: str) -> dict:
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from workers import safe_unpickle
 
@@ -140,18 +141,43 @@ def saved_trainer_info(directory: str) -> dict:
     box = {COMMON_STATE_KEY: io.BytesIO()}
     with warnings.catch_warnings():  # "torch.distributed ... uninitialized, assuming ... a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(box, storage_reader=FileSystemReader(directory), no_dist=True)
-    data = box[COMMON_STATE_KEY]
+        try:
+            dcp.load(box, storage_reader=FileSystemReader(directory), no_dist=True)
+        except safe_unpickle.Refused:
+            raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a reader's failure (a BaseException)
+            refused = _refusal(e)
+            if refused is not None:
+                raise refused from None
+            raise SavedStateError(f"{directory}: the trainer state is unreadable ({type(e).__name__})") from None
+    data = box[COMMON_STATE_KEY]  # [common], unpickled by the load planner (weights_only=True: safe_unpickle.install)
     try:
-        data.seek(0)
-        common = torch.load(data, weights_only=True)[0]
-        info = common["trainer"]
+        info = data[0]["trainer"]
         if not isinstance(info, dict) or not isinstance(info.get("step"), int) or isinstance(info["step"], bool):
             raise TypeError
     except Exception:  # noqa: BLE001 - a foreign or damaged object: one line
         raise SavedStateError(f"{directory}: the trainer's common state is not what save_state writes (a trainer "
                               f"dict with an integer step)") from None
     return info
+
+
+def _refusal(e: BaseException):
+    """The safe_unpickle.Refused inside an exception DCP wrapped (its CheckpointException lists the
+    failures per rank), if any."""
+    from workers import safe_unpickle
+
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or x is None:
+            continue
+        seen.add(id(x))
+        if isinstance(x, safe_unpickle.Refused):
+            return x
+        todo += [x.__cause__, x.__context__]
+        for v in (getattr(x, "failures", None) or {}).values():  # {rank: (exception, traceback)}
+            todo += [w for w in (v if isinstance(v, tuple) else (v,)) if isinstance(w, BaseException)]
+    return None
 
 
 def save_rng(path: str, is_cpu: bool) -> None:
