@@ -499,3 +499,30 @@ def test_a_requeue_after_the_last_step_runs_nothing(sandbox, monkeypatch, capsys
         assert json.loads((run / "ray" / "4242.1" / "done").read_text()) == {"ok": True, "error": None}
     else:
         assert out == {"node": "node2", "role": "worker", "joined": False}
+
+
+def test_the_job_checks_the_checkpoint_to_resume_before_ray(sandbox, monkeypatch, capsys):
+    """A checkpoint changed between the submission (which checked it) and the job's start: task 0
+    refuses it in one line naming the file and key before the Ray head starts, and writes `done`
+    so the other tasks end."""
+    from launcher.cluster import bootstrap
+    from launcher.config.schema import ConfigError
+    from tests.helpers.checkpoints import rewrite_manifest
+
+    _ckpt("g", 5)(sandbox)
+    run = sandbox / "runs" / "g"
+    assert cli.main([*SLURM, "submit=false", "run.name=g", f"run.root={sandbox / 'runs'}", "+resume=step_5",
+                     "grpo.max_num_steps=10"]) == 0
+    ckpt = run / "checkpoints" / "step_5"
+    (ckpt / "training_info.json").write_text(json.dumps({"step": 5, "consumed_prompts": -1}))
+    rewrite_manifest(ckpt)
+    for k, v in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4343", "SLURM_NTASKS": "3", "SLURM_JOB_NUM_NODES": "3",
+                 "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_RESTART_COUNT": "0", "SLURM_LOCALID": "0",
+                 "SLURM_NODEID": "0", "SLURM_PROCID": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(bootstrap, "run_head", lambda *a, **k: pytest.fail("the Ray head started"))
+    with pytest.raises(ConfigError) as e:
+        bootstrap.run_task(run)
+    assert str(e.value).startswith(f"resume: {ckpt}/training_info.json: consumed_prompts: must be an integer >= 0, "
+                                   f"got -1")
+    assert json.loads((run / "ray" / "4343.0" / "done").read_text())["ok"] is False
