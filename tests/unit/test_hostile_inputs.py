@@ -526,3 +526,18 @@ def test_the_job_checks_the_checkpoint_to_resume_before_ray(sandbox, monkeypatch
     assert str(e.value).startswith(f"resume: {ckpt}/training_info.json: consumed_prompts: must be an integer >= 0, "
                                    f"got -1")
     assert json.loads((run / "ray" / "4343.0" / "done").read_text())["ok"] is False
+
+
+def test_a_dry_run_notes_what_the_model_folder_lacks(sandbox, capsys):
+    """A folder with only config.json (an interrupted download): the dry run plans and notes it in
+    the submission's own words; the submission refuses it."""
+    _model("half", drop=("model.safetensors", "tokenizer.json"))(sandbox)
+    common = [*SLURM, f"run.root={sandbox / 'runs'}", f"model.path={sandbox / 'models' / 'half'}"]
+    assert cli.main(["dry_run=true", *common]) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert cli.main(["submit=false", *common]) == 2
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error == (f"error: model.path: {sandbox / 'models' / 'half'} has no weights: neither model.safetensors nor "
+                     f"model.safetensors.index.json (an interrupted download?)")
+    assert notes == [f"note: a submission from this machine would stop here: {error[len('error: '):]}"]
+    assert not (sandbox / "runs").exists()
