@@ -225,10 +225,12 @@ def _num(v) -> str:
 
 
 def parser():
+    import argparse
+
     from launcher.cli import Parser, positive_seconds
 
     p = Parser(prog="python -m launcher.status", description=__doc__.split("\n", 2)[2].strip(),
-               formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("where", nargs="*", metavar="RUN_DIR | SWEEP_DIR | RUN_ROOT | key=value",
                    help="the runs to show (default: every run under run.root)")
     p.add_argument("--watch", nargs="?", const=5.0, type=positive_seconds, metavar="SECONDS",
