@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config.schema import SCHEMA_SECTIONS, Config, ConfigError, expected, typed  # ConfigError: the CLI's error type
+from launcher.config.schema import SCHEMA_SECTIONS, Config, ConfigError, expected  # ConfigError: the CLI's error type
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "optim", "refit", "checkpointing", "slurm")
