@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher import paths
+from launcher import files, paths
 from launcher import sweep as sweep_mod
 from launcher import memory
 from launcher import plan as plan_mod
@@ -147,7 +147,16 @@ def cfg_text(r: Resolved, which: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The command (and its sweep), under launcher.cli.run: every mistake in the options, the
+    config, its files or a record read back (a checkpoint to resume) is one line, exit code 2,
+    before anything is written or submitted."""
+    from launcher import cli as cli_mod
+
+    return cli_mod.run(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         print(_help())
         return 0
@@ -196,7 +205,7 @@ def _multirun(overrides: list[str], opts: Options) -> int:
             bases.append("run")
             failed[p.index] = e
     sweep_mod.name_points(points, bases)
-    runs, bad = [], 0
+    runs, problems = [], []
     for p in points:
         try:
             if p.index in failed:
@@ -204,13 +213,16 @@ def _multirun(overrides: list[str], opts: Options) -> int:
             r, errors = _resolve([*p.overrides, f"run.name='{p.name}'"], printing=bool(opts.cfg))
         except ConfigError as e:
             r, errors = None, [e]
-        for e in errors:
-            print(f"error: point {p.index} ({p.label()}): {e}", file=sys.stderr)
-        bad += bool(errors)
+        problems += [(p, e) for e in errors]
         runs.append(r)
-    if bad:
-        print(f"error: {bad} of {len(points)} sweep point(s) invalid; nothing was written or submitted",
-              file=sys.stderr)
+    if problems:  # one line per mistake; one mistake: one line
+        bad = len({p.index for p, _ in problems})
+        for p, e in problems:
+            last = "; nothing was written or submitted" if len(problems) == 1 else ""
+            print(f"error: point {p.index} ({p.label()}): {e}{last}", file=sys.stderr)
+        if len(problems) > 1:
+            print(f"error: {bad} of {len(points)} sweep point(s) invalid; nothing was written or submitted",
+                  file=sys.stderr)
         return 2
     for key in ("dry_run", "submit"):
         if len({getattr(r.cfg, key) for r in runs}) > 1:
@@ -228,14 +240,17 @@ def _multirun(overrides: list[str], opts: Options) -> int:
         print(f"\n== sweep of {len(points)} point(s) (dry run: nothing written or submitted)")
         print(sweep_mod.table(points, [{"state": "dry run"}] * len(points)))
         return 0
-    for p, r in zip(points, runs):  # refusals (a run that already holds checkpoints...) before any submission
+    for p, r in zip(points, runs):  # refusals (a run that already holds checkpoints...) before any point is written
         try:
-            run_dir_mod.prepare(r.cfg, r.raw, r.plan, r.run_dir, r.spec, runs_here=False)
+            run_dir_mod.check(r.cfg, r.run_dir)
         except ConfigError as e:
-            print(f"error: point {p.index} ({p.label()}): {e}", file=sys.stderr)
-            print("error: nothing was submitted", file=sys.stderr)
+            print(f"error: point {p.index} ({p.label()}): {e}; nothing was written or submitted", file=sys.stderr)
             return 2
+    for p, r in zip(points, runs):
+        run_dir_mod.prepare(r.cfg, r.raw, r.plan, r.run_dir, r.spec, runs_here=False)
     sdir = sweep_mod.sweep_dir(runs[0].run_dir.parent, bases[0])
+    # the sweep's record names every point's overrides (slurm.setup secrets included): the run directory policy
+    files.make_dir(sdir, files.Policy(all(r.cfg.run.shared_with_group for r in runs)))
     rows, rc, failures = [], 0, 0
     for p, r in zip(points, runs):
         stop_mod.clear_stop_request(r.run_dir)
@@ -244,7 +259,7 @@ def _multirun(overrides: list[str], opts: Options) -> int:
             state = "not submitted" if r.spec is not None else "not run"
         elif r.spec is None:
             print(f"== point {p.index}/{len(points)}: {p.label()}: running here", flush=True)
-            sweep_mod.record(sdir / "sweep.jsonl", p, r.run_dir, None, "running")
+            sweep_mod.record(sdir / paths.SWEEP_RECORD, p, r.run_dir, None, "running")
             code = _run_point([*p.overrides, f"run.name='{p.name}'"])
             state = "COMPLETED" if code == 0 else "interrupted" if code == 130 else f"exit {code}"
             rc = 130 if code == 130 else 0  # Ctrl-C ends the sweep; a failed point does not
@@ -256,7 +271,7 @@ def _multirun(overrides: list[str], opts: Options) -> int:
             except Exception as e:  # noqa: BLE001 - sbatch refused: say so, submit no further point
                 print(f"error: point {p.index}: submission failed: {_last_line(e)}", file=sys.stderr)
                 state, rc = "submission failed", 1
-        sweep_mod.record(sdir / "sweep.jsonl", p, r.run_dir, job_id, state)
+        sweep_mod.record(sdir / paths.SWEEP_RECORD, p, r.run_dir, job_id, state)
         rows.append({"job_id": job_id, "state": state})
     print(sweep_mod.table(points, rows))
     print(f"sweep {sdir} ({len(points)} point(s); record: sweep.jsonl)")
@@ -363,11 +378,7 @@ def _run_here(cfg, plan, run_dir: Path) -> int:
 
 
 def cli() -> int:
-    try:
-        return main()
-    except BrokenPipeError:  # `python -m launcher ... | head`: the reader left, not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    return main()
 
 
 if __name__ == "__main__":

@@ -20,13 +20,15 @@ one line on stderr, exit code 2. This module imports no torch at import time (th
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
+import re
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher import paths
+from launcher import files, paths
 from launcher.driver import checkpoints
 from launcher.config import compose as config_mod
 from launcher.config import model_facts
@@ -60,9 +62,44 @@ class Report(AdapterExport):
         return cmd
 
 
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+def check_out(out: Path) -> None:
+    """`--out` before anything is read: a folder that does not exist yet, or one holding only an
+    earlier export (it is replaced whole); never a file, never a folder with other files."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a directory; give a new directory for the adapter")
+    if out.is_dir():
+        other = sorted(p.name for p in out.iterdir() if p.name not in ADAPTER_FILES)
+        if other:
+            raise ExportError(f"--out {out}: holds other files ({', '.join(other[:3])}); give a new directory "
+                              f"(an earlier export there is replaced)")
+    parent = next(p for p in [out.parent, *out.parent.parents] if p.exists())
+    if not parent.is_dir():
+        raise ExportError(f"--out {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {out}: {parent} is not writable")
+
+
+def check_name(name: str | None) -> None:
+    """The adapter's serving name: one word (`--lora-modules NAME=DIR` parses it)."""
+    if name is not None and not _NAME.match(name):
+        raise ExportError(f"--name {name!r}: must be one word of letters, digits and . _ + - (vLLM's "
+                          f"--lora-modules NAME=DIR reads it)")
+
+
 def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | None = None,
            name: str | None = None) -> Report:
-    """Export the LoRA adapter of run checkpoint `checkpoint` to `out`; raises ExportError & co."""
+    """Export the LoRA adapter of run checkpoint `checkpoint` to `out`; raises ExportError & co.
+    Every input is checked before anything is written: `out`, the name, the checkpoint (its files
+    and records: checkpoints.verify), its config.yaml, the base model; the adapter is written into
+    a private folder beside `out` and renamed into place whole, with the modes of the checkpoint's
+    run (launcher.files: run.shared_with_group)."""
+    out = Path(out).expanduser()
+    check_out(out)
+    check_name(name)
     ckpt = Path(checkpoint).expanduser()
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: no such checkpoint directory (expected RUN/checkpoints/step_N)")
@@ -70,10 +107,10 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
         checkpoints.verify(ckpt)
     except checkpoints.CheckpointError as e:
         raise ExportError(str(e)) from None
-    cfg = config_mod.load_typed(ckpt / "config.yaml")
-    step = int(json.loads((ckpt / checkpoints.INFO).read_text())["step"])
+    cfg = config_mod.load_typed(ckpt / paths.CONFIG)
+    step = checkpoints.Checkpoint(0, ckpt).info()["step"]
     base = Path(base_model).expanduser() if base_model else paths.model_dir(cfg)
-    where = "--base-model" if base_model else f"model.path/model.builtin of {ckpt / 'config.yaml'}"
+    where = "--base-model" if base_model else f"model.path/model.builtin of {ckpt / paths.CONFIG}"
     if not (base / "config.json").is_file():
         raise ExportError(f"{base}: no config.json, not an HF model directory (from {where}); "
                           "pass --base-model PATH")
@@ -83,10 +120,19 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
     except ConfigError as e:
         raise ExportError(f"{e.message} (the base model, from {where})") from None
 
-    done = export_adapter(ckpt / "trainer", out, base, family=cfg.model.family, dim=cfg.peft.dim,
-                          alpha=cfg.peft.alpha, peft_enabled=cfg.peft.enabled, config_file=ckpt / "config.yaml")
-    return Report(**vars(done), base=base, name=name or f"{cfg.run.name}-step{step}", rank=cfg.peft.dim,
-                  alpha=cfg.peft.alpha)
+    policy = files.Policy.of(cfg)
+    if not out.parent.exists():
+        files.make_dir(out.parent, policy)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        done = export_adapter(ckpt / paths.TRAINER, staging, base, family=cfg.model.family, dim=cfg.peft.dim,
+                              alpha=cfg.peft.alpha, peft_enabled=cfg.peft.enabled,
+                              config_file=ckpt / paths.CONFIG)
+        files.publish(staging, out, policy)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Report(**{**vars(done), "out": out.resolve()}, base=base, name=name or f"{cfg.run.name}-step{step}",
+                  rank=cfg.peft.dim, alpha=cfg.peft.alpha)
 
 
 def _print_report(r: Report) -> None:
@@ -101,20 +147,29 @@ def _print_report(r: Report) -> None:
     print(f"serve it with:\n  {r.serve_command()}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launcher.export",
-                                description="Export a run checkpoint's LoRA adapter as an HF PEFT adapter.")
+def parser():
+    from launcher.cli import Parser
+
+    p = Parser(prog="python -m launcher.export",
+               description="Export a run checkpoint's LoRA adapter as an HF PEFT adapter.")
     p.add_argument("--checkpoint", required=True, help="RUN/checkpoints/step_N")
-    p.add_argument("--out", required=True, help="directory for adapter_model.safetensors + adapter_config.json")
+    p.add_argument("--out", required=True, help="a new directory for adapter_model.safetensors + adapter_config.json")
     p.add_argument("--base-model", help="HF base model directory (default: the checkpoint's config.yaml model)")
     p.add_argument("--name", help="adapter name for serving (default: <run.name>-step<N>)")
-    args = p.parse_args(argv)
-    try:
-        report = export(args.checkpoint, args.out, args.base_model, args.name)
-    except (ExportError, ConfigError, LoraCheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    _print_report(report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command, under launcher.cli.run: every mistake (arguments, --out, the checkpoint and its
+    records, the base model) is one line, exit code 2, before anything is written."""
+    from launcher import cli
+
+    return cli.run(_main, argv, user_errors=(ExportError, LoraCheckpointError))
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parser().parse_args(argv)
+    _print_report(export(args.checkpoint, args.out, args.base_model, args.name))
     return 0
 
 

@@ -24,17 +24,37 @@ RUN_NAME_RULE = ("one path component of letters, digits and . _ + - (starting wi
 PATH_KEYS = ("run.root", "checkpointing.dir", "model.path")
 RESUME_WORDS = re.compile(r"^(latest|step_\d+)$")
 
-
-def dir_mode(cfg: Config) -> int:
-    """The run directory's mode: private by default (0700), group-readable (0750) with
-    run.shared_with_group=true. Everything in it (the job's logs, checkpoints, submitit's files)
-    is reached only through it; the files the launcher writes get file_mode too. (Not a umask:
-    a umask of 077 in the launcher's process breaks the local Ray cluster's token handshake.)"""
-    return 0o750 if cfg.run.shared_with_group else 0o700
-
-
-def file_mode(cfg: Config) -> int:
-    return 0o640 if cfg.run.shared_with_group else 0o600
+# The names of what a run directory holds, one place for each (their modes: launcher.files; the
+# records read back and their schemas: launcher.records).
+CONFIG = "config.yaml"              # the resolved config (also in every checkpoint)
+PLAN = "plan.txt"
+SBATCH_SCRIPT = "ray_job.sbatch"    # the same job for plain `sbatch`
+LOGS = "logs"
+CHECKPOINTS = "checkpoints"
+REWARD_DIR = "reward"               # a reward file copied at submission
+SUBMISSIONS = "submissions.jsonl"   # one line per Slurm job of the run
+FAILURES = "failures.jsonl"         # one line per failure (retry.max_restarts counts them)
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.txt"
+STARTUP = "startup.json"
+IN_USE = ".in_use"                  # flock'ed by a local run's process while it lives
+STOP_REQUEST = "stop_requested"     # written by `python -m launcher.stop`
+STOPPED = "stopped.json"            # written when the driver ended because of it
+ABANDONED = "abandoned"             # what a branch resume moved aside
+RENDEZVOUS = "ray"                  # RUN/ray/<job>.<attempt>/: where the tasks of one job attempt meet
+TOKEN = "token"                     # Ray's per-job token (always 0600)
+HEAD = "head.json"                  # the Ray head's address, published by task 0
+REGISTERED = "registered"           # every planned node joined: a lost node is now a failure
+DONE = "done"                       # the driver ended (ok or error): every task stops its Ray
+NODE_REPORT = "failed_node{index}.json"   # a node whose Ray could not join or stopped
+NODE_REPORTS = "failed_node*.json"
+# a checkpoint step_N/
+TRAINING_INFO = "training_info.json"
+MANIFEST = "manifest.json"
+TRAINER = "trainer"                 # the trainer ranks' torch distributed checkpoint
+# a sweep: <run.root>/sweeps/<sweep>/
+SWEEPS = "sweeps"
+SWEEP_RECORD = "sweep.jsonl"
 
 
 def run_name_error(name: object) -> ConfigError | None:
@@ -70,7 +90,7 @@ def run_dir(cfg: Config) -> Path:
 
 
 def checkpoint_dirs(cfg: Config, run_dir: Path) -> Path:
-    return absolute(cfg.checkpointing.dir) if cfg.checkpointing.dir else run_dir / "checkpoints"
+    return absolute(cfg.checkpointing.dir) if cfg.checkpointing.dir else run_dir / CHECKPOINTS
 
 
 def model_dir(cfg: Config) -> Path:

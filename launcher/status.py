@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import progress
+from launcher import paths, progress, records
 
 TERMINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
             "PREEMPTED", "REVOKED", "TIMEOUT", "ENDED"}
@@ -73,15 +73,14 @@ def _alive(pid: int) -> bool:
 
 def local_job(run_dir: Path) -> dict:
     """A local run's state from its newest rendezvous folder ray/local-<pid>.<attempt>/."""
-    dirs = sorted((run_dir / "ray").glob("local-*.*"), key=lambda p: p.stat().st_mtime)
+    dirs = sorted((run_dir / paths.RENDEZVOUS).glob("local-*.*"), key=lambda p: p.stat().st_mtime)
     if not dirs:
         return {"job_id": None, "state": "NOT STARTED", "reason": "", "restarts": 0, "source": "run dir"}
     newest = dirs[-1]
     job_id, _, attempt = newest.name.rpartition(".")
-    done = newest / "done"
+    done = newest / paths.DONE
     if done.is_file():
-        ok = json.loads(done.read_text()).get("ok")
-        state = "COMPLETED" if ok else "FAILED"
+        state = "COMPLETED" if records.load(done, records.DONE)["ok"] else "FAILED"
     elif _alive(int(job_id.split("-", 1)[1])):
         state = "RUNNING"
     else:
@@ -99,38 +98,36 @@ def newest_checkpoint(ckpt_root: Path) -> Path | None:
 
 def collect(run_dir: Path, slurm: bool = True) -> dict:
     """Everything the status view shows of one run, as plain data (what --json prints)."""
-    from launcher import paths
     from launcher.config import compose as config_mod
-    from launcher.config.schema import typed
     from launcher.job import stop as stop_mod
 
     run_dir = Path(run_dir).resolve()
-    saved = config_mod.load(run_dir / "config.yaml")
-    total = int(saved.grpo.max_num_steps)
-    executor = str(saved.topology.executor)
-    submissions = jsonl(run_dir / "submissions.jsonl")
-    failures = jsonl(run_dir / "failures.jsonl")
+    cfg = config_mod.load_typed(run_dir / paths.CONFIG)  # launcher.records: each record read here has its schema
+    total = cfg.grpo.max_num_steps
+    executor = cfg.topology.executor
+    submissions = records.load_lines(run_dir / paths.SUBMISSIONS, records.SUBMISSION)
+    failures = records.load_lines(run_dir / paths.FAILURES, records.FAILURE)
     if executor == "slurm":
-        job_id = submissions[-1]["job_id"] if submissions else None
+        job_id = str(submissions[-1]["job_id"]) if submissions else None
         job = {"state": "NOT SUBMITTED", "reason": "", "restarts": 0, "source": None}
         if job_id and slurm:
             job = slurm_job(str(job_id))
         job["job_id"] = job_id
     else:
         job = local_job(run_dir)
-    rows = [r for r in jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    rows = [r for r in jsonl(run_dir / paths.METRICS) if isinstance(r.get("step"), int)]
     last = rows[-1] if rows else {}
     vals = [v for r in rows if (v := progress.val_reward(r)) is not None]
     sps = progress.seconds_per_step(rows)
     step = int(last.get("step", 0))
-    ckpt = newest_checkpoint(paths.checkpoint_dirs(typed(saved), run_dir))
+    ckpt = newest_checkpoint(paths.checkpoint_dirs(cfg, run_dir))
     stopped = stop_mod.read_stopped(run_dir)
     if stopped and stopped.get("job") != job.get("job_id"):
         stopped = None  # an earlier job of this run was stopped, not this one
     jid = job.get("job_id")
     logs = [p for p in ([run_dir / "submitit" / str(jid) / f"{jid}_0_log.out",
                          run_dir / "submitit" / str(jid) / f"{jid}_0_log.err",
-                         run_dir / "logs" / f"sbatch-{jid}.out"] if jid else []) if p.is_file()]
+                         run_dir / paths.LOGS / f"sbatch-{jid}.out"] if jid else []) if p.is_file()]
     return {
         "run": run_dir.name, "run_dir": str(run_dir), "executor": executor,
         "job_id": jid, "state": job["state"], "reason": job["reason"], "source": job["source"],
@@ -142,7 +139,7 @@ def collect(run_dir: Path, slurm: bool = True) -> dict:
         "seconds_per_step": sps, "eta_s": progress.eta(step, total, sps) if job["state"] == "RUNNING" else None,
         "checkpoint": str(ckpt) if ckpt else None,
         "stop_requested": stop_mod.stop_requested(run_dir), "stopped": stopped,
-        "logs": [str(p) for p in logs] + [str(run_dir / "logs")],
+        "logs": [str(p) for p in logs] + [str(run_dir / paths.LOGS)],
         "last_row": last,
     }
 
@@ -179,9 +176,9 @@ def runs_of(args: list[str]) -> list[Path]:
         folders = [Path(cfg.run.root).expanduser().resolve()]
     out: list[Path] = []
     for d in folders:
-        if (d / "config.yaml").is_file():
+        if (d / paths.CONFIG).is_file():
             out.append(d.resolve())
-        elif (d / "sweep.jsonl").is_file():
+        elif (d / paths.SWEEP_RECORD).is_file():
             out += [Path(r["run_dir"]) for r in read_sweep(d)]
         elif d.is_dir():
             found = sorted(p.parent for p in d.glob("*/config.yaml"))
@@ -227,65 +224,57 @@ def _num(v) -> str:
     return f"{float(v):.3f}" if isinstance(v, (int, float)) else "-"
 
 
-USAGE = ("usage: python -m launcher.status [RUN_DIR | SWEEP_DIR | RUN_ROOT | run.name=NAME ...] "
-         "[--watch [SECONDS]] [--json]")
+def parser():
+    import argparse
+
+    from launcher.cli import Parser, positive_seconds
+
+    p = Parser(prog="python -m launcher.status", description=__doc__.split("\n", 2)[2].strip(),
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("where", nargs="*", metavar="RUN_DIR | SWEEP_DIR | RUN_ROOT | key=value",
+                   help="the runs to show (default: every run under run.root)")
+    p.add_argument("--watch", nargs="?", const=5.0, type=positive_seconds, metavar="SECONDS",
+                   help="refresh every SECONDS (default 5) until every run has ended")
+    p.add_argument("--json", action="store_true", help="one JSON list per refresh, for scripts")
+    return p
+
+
+def _watch_value_given(argv: list[str]) -> list[str]:
+    """`--watch RUN_DIR`: --watch takes the next word only when it is a number."""
+    out = []
+    for i, a in enumerate(argv):
+        out.append(a)
+        if a == "--watch" and (i + 1 >= len(argv) or not re.fullmatch(r"[0-9]*\.?[0-9]+", argv[i + 1])):
+            out[-1] = "--watch=5"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launcher.config.compose import ConfigError
+    """The command, under launcher.cli.run: a mistake in the arguments, a run directory or a record
+    read back is one line, exit code 2."""
+    from launcher import cli
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE + "\n\n" + __doc__.split("\n", 2)[2].strip())
-        return 0
-    as_json, watch, args, i = False, None, [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--json":
-            as_json = True
-        elif a == "--watch" or a.startswith("--watch="):
-            value = a.partition("=")[2]
-            if not value and i + 1 < len(argv) and re.fullmatch(r"[0-9]+(\.[0-9]+)?", argv[i + 1]):
-                i += 1
-                value = argv[i]
-            try:
-                watch = float(value or 5.0)
-            except ValueError:
-                print(f"error: --watch: seconds between refreshes, got {value!r}", file=sys.stderr)
-                return 2
-        elif a.startswith("-"):
-            print(f"error: {a}: not an option\n{USAGE}", file=sys.stderr)
-            return 2
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parser().parse_args(_watch_value_given(sys.argv[1:] if argv is None else list(argv)))
+    dirs = runs_of(args.where)   # every run named, before any is read
+    while True:
+        infos = [collect(d) for d in dirs]
+        if args.json:
+            print(json.dumps(infos, default=str))
         else:
-            args.append(a)
-        i += 1
-    try:
-        dirs = runs_of(args)
-        while True:
-            infos = [collect(d) for d in dirs]
-            if as_json:
-                print(json.dumps(infos, default=str))
-            else:
-                if watch is not None and sys.stdout.isatty():
-                    print("\033[H\033[2J", end="")
-                print(f"{time.strftime('%H:%M:%S')}  {len(infos)} run(s)\n" + render(infos), flush=True)
-            if watch is None or all(i["state"] in TERMINAL for i in infos):
-                return 0
-            time.sleep(watch)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 0
-
-
-def cli() -> int:
-    try:
-        return main()
-    except BrokenPipeError:  # `python -m launcher.status | head`: the reader left, not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+            if args.watch is not None and sys.stdout.isatty():
+                print("\033[H\033[2J", end="")
+            print(f"{time.strftime('%H:%M:%S')}  {len(infos)} run(s)\n" + render(infos), flush=True)
+        if args.watch is None or all(i["state"] in TERMINAL for i in infos):
+            return 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main())

@@ -19,7 +19,6 @@ from launcher import progress
 from launcher import status as status_mod
 from launcher.job import stop as stop_mod
 
-USAGE = "usage: python -m launcher.stop RUN_DIR|SWEEP_DIR [--no-wait] [--timeout SECONDS]"
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "REQUEUED", "RESIZING", "STOPPED", "SUBMITTED"}
 
 
@@ -97,46 +96,44 @@ def stop_runs(run_dirs: list[Path], wait: bool = True, timeout: float = 3600.0) 
     return rc
 
 
+def parser():
+    import argparse
+
+    from launcher.cli import Parser, positive_seconds
+
+    p = Parser(prog="python -m launcher.stop", description=__doc__.split("\n", 2)[2].strip(),
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("where", metavar="RUN_DIR|SWEEP_DIR", help="a run directory, or a sweep's (every run of it)")
+    p.add_argument("--no-wait", dest="wait", action="store_false", help="ask, and do not wait for the jobs to stop")
+    p.add_argument("--timeout", type=positive_seconds, default=3600.0, metavar="SECONDS",
+                   help="how long to wait for the jobs to stop (default 3600)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command, under launcher.cli.run: a mistake in the arguments, the directory or a record
+    read back is one line, exit code 2, before any job is asked to stop."""
+    from launcher import cli
+
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    from launcher import paths
     from launcher.config.compose import ConfigError
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE + "\n\n" + __doc__.split("\n", 2)[2].strip())
-        return 0
-    wait, timeout, dirs, i = True, 3600.0, [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--no-wait":
-            wait = False
-        elif a == "--timeout" or a.startswith("--timeout="):
-            value = a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 0 if "=" in a else 1
-            try:
-                timeout = float(value)
-            except ValueError:
-                print(f"error: --timeout: seconds, got {value!r}\n{USAGE}", file=sys.stderr)
-                return 2
-        elif a.startswith("-"):
-            print(f"error: {a}: not an option\n{USAGE}", file=sys.stderr)
-            return 2
-        else:
-            dirs.append(Path(a))
-        i += 1
-    if len(dirs) != 1:
-        print(USAGE, file=sys.stderr)
-        return 2
-    if not (dirs[0] / "config.yaml").is_file() and not (dirs[0] / "sweep.jsonl").is_file():
-        print(f"error: {dirs[0]}: not a run directory (no config.yaml) nor a sweep directory (no sweep.jsonl)",
-              file=sys.stderr)
-        return 2
+    args = parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    where = Path(args.where)
+    if not (where / paths.CONFIG).is_file() and not (where / paths.SWEEP_RECORD).is_file():
+        raise ConfigError(str(where), f"not a run directory (no {paths.CONFIG}) nor a sweep directory "
+                                      f"(no {paths.SWEEP_RECORD})")
+    dirs = status_mod.runs_of([str(where)])
+    for d in dirs:  # every run's records read (and checked) before any job is asked to stop
+        status_mod.collect(d, slurm=False)
     try:
-        return stop_runs(status_mod.runs_of([str(dirs[0])]), wait, timeout)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return stop_runs(dirs, args.wait, args.timeout)
     except KeyboardInterrupt:
-        print(f"\nnot waiting any more; the stop request stays in {dirs[0] / stop_mod.STOP_FILE}", file=sys.stderr)
+        print(f"\nnot waiting any more; the stop request stays in {where / stop_mod.STOP_FILE}", file=sys.stderr)
         return 130
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher import files, paths, records
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
 
@@ -154,31 +154,27 @@ def _labels(keys: list[str]) -> list[str]:
 def sweep_dir(run_root: Path, base: str) -> Path:
     """`<run.root>/sweeps/<base>-<YYYYmmdd-HHMMSS>` (a fresh folder per sweep)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    d = run_root / "sweeps" / f"{_UNSAFE.sub('_', base)}-{stamp}"
+    d = run_root / paths.SWEEPS / f"{_UNSAFE.sub('_', base)}-{stamp}"
     n = 1
     while d.exists():
         n += 1
-        d = run_root / "sweeps" / f"{_UNSAFE.sub('_', base)}-{stamp}-{n}"
+        d = run_root / paths.SWEEPS / f"{_UNSAFE.sub('_', base)}-{stamp}-{n}"
     return d
 
 
 def record(path: Path, point: Point, run_dir: Path, job_id: str | None, state: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps({"point": point.index, "overrides": point.overrides,
-                            "swept": dict(point.swept), "run_name": point.name, "run_dir": str(run_dir),
-                            "job_id": job_id, "state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-                + "\n")
+    """One line of sweep.jsonl (launcher.files: the sweep folder's mode, made by the launcher with
+    the points' run directory policy; launcher.records.SWEEP_POINT: its schema)."""
+    files.append_line(path, {"point": point.index, "overrides": point.overrides, "swept": dict(point.swept),
+                             "run_name": point.name, "run_dir": str(run_dir), "job_id": job_id, "state": state,
+                             "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def read(sweep_dir: Path) -> list[dict]:
-    """The sweep's points (the last line per point wins)."""
-    path = sweep_dir / "sweep.jsonl"
+    """The sweep's points (the last line per point wins); RecordError naming a bad line."""
     rows: dict[int, dict] = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        if line.strip():
-            r = json.loads(line)
-            rows[r["point"]] = r
+    for r in records.load_lines(sweep_dir / paths.SWEEP_RECORD, records.SWEEP_POINT):
+        rows[r["point"]] = r
     return [rows[k] for k in sorted(rows)]
 
 

@@ -8,8 +8,11 @@ ALLOWED (DCP's metadata and planner dataclasses and enums, megatron's save-plan 
 torch dtypes and layouts, paths); anything else raises `Refused` naming the global. `install()` makes
 FileSystemReader.read_metadata (and megatron's subclass) use it, in the calling process.
 
-Tensor payloads are not affected: DCP reads them with `torch.load(weights_only=True)`, and
-megatron's legacy common.pt uses torch.load's default, weights_only=True since torch 2.6.
+The bytes items of a DCP checkpoint (megatron's common state: trainer info, scheduler, optimizer
+param groups) are pickles too, which DCP's DefaultLoadPlanner.load_bytes unpickles with
+`torch.load(weights_only=False)`: `install()` replaces it with `weights_only=True` (torch's own
+restricted unpickler: tensors and plain containers). Tensor payloads are raw bytes; megatron's
+legacy common.pt uses torch.load's default, weights_only=True since torch 2.6.
 The list was taken from the globals in real trainer checkpoints (tests/unit/test_safe_unpickle.py
 round-trips one); a DCP or megatron upgrade that pickles a new class shows up as `Refused`.
 """
@@ -39,8 +42,8 @@ ALLOWED: dict[str, frozenset[str]] = {
 class Refused(pickle.UnpicklingError):
     """The pickle names a global that checkpoint metadata never needs."""
 
-    def __init__(self, module: str, name: str):
-        super().__init__(f"refused to unpickle {module}.{name} (not a checkpoint metadata class)")
+    def __init__(self, module: str, name: str, why: str = "not a checkpoint metadata class"):
+        super().__init__(f"refused to unpickle {module}.{name} ({why})")
         self.name = f"{module}.{name}"
 
 
@@ -80,12 +83,38 @@ def _read_metadata(self, *args: Any, **kwargs: Any):
     return metadata
 
 
+def _load_bytes(self, read_item: Any, value: IO[bytes]) -> None:
+    """torch's DefaultLoadPlanner.load_bytes with torch.load(weights_only=True): tensors and plain
+    containers, no code. DCP's own unpickles every bytes item (megatron's common state: trainer
+    info, scheduler, optimizer param groups) with weights_only=False."""
+    import re
+
+    import torch
+
+    try:
+        obj = torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        module, _, name = (found.group(1) if found else "an unknown.global").rpartition(".")
+        raise Refused(module, name, f"in the bytes item {read_item.dest_index.fqn}: not plain checkpoint "
+                                    f"data") from None
+    if self.flatten_state_dict:
+        from torch.distributed.checkpoint._nested_dict import set_element
+
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = obj
+
+
 def install() -> None:
     """Every FileSystemReader in this process (megatron's readers subclass it) reads `.metadata`
-    with the restricted unpickler. Idempotent."""
+    with the restricted unpickler, and every load planner deriving from DCP's DefaultLoadPlanner
+    (megatron's too) reads bytes items with torch.load(weights_only=True). Idempotent."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     if getattr(FileSystemReader.read_metadata, "_restricted", False):
         return
     _read_metadata._restricted = True  # type: ignore[attr-defined]
     FileSystemReader.read_metadata = _read_metadata  # type: ignore[method-assign]
+    DefaultLoadPlanner.load_bytes = _load_bytes  # type: ignore[method-assign]

@@ -29,12 +29,13 @@ import threading
 import time
 from pathlib import Path
 
+from launcher import files, paths, records
 from launcher import plan as plan_mod
 from launcher import progress
 from launcher.cluster.context import ClusterError, JobContext, log
 from launcher.cluster.join import retry_delay
 from launcher.cluster.ray_node import (connect, disconnect, driver_env, free_port, resolve_ip, start_ray,
-                                       stop_process_tree, wait_for_nodes, wait_port, write_json)
+                                       stop_process_tree, wait_for_nodes, wait_port)
 from launcher.cluster.watch import WORKER_TICK_S, HeadWatch, WorkerWatch, ray_exit, ray_stopped, write_node_report
 from launcher.config import compose as config_mod
 from launcher.config.schema import Config
@@ -49,7 +50,7 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
     plain sbatch (`plain_sbatch`), USR2 and SIGTERM both stop the driver after a checkpoint and the
     job requeues itself with scontrol."""
     run_dir = Path(run_dir).resolve()
-    cfg = config_mod.load_typed(run_dir / "config.yaml")
+    cfg = config_mod.load_typed(run_dir / paths.CONFIG)  # its schema: launcher.records.load_config
     plan = plan_mod.build(cfg.topology)
     ctx = JobContext.from_slurm(run_dir)
     if len(ctx.hostnames) != len(plan.nodes):
@@ -75,6 +76,11 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
         cfg.resume = _resume_point(cfg, ckpt)
         log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
             (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
+        checked = ckpt is not None  # complete() verified it
+    else:
+        checked = False
+    if cfg.resume and not checked:
+        check_resume(ctx, cfg)
     try:
         out = run_head(ctx, cfg, plan, signals=stop.job_handlers(plain_sbatch))
         if plain_sbatch and (out.get("result") or {}).get("stopped") and not out.get("stop_requested"):
@@ -91,12 +97,26 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
         return {"node": ctx.hostname, "role": "head", "requeued": str(e)}
 
 
+def check_resume(ctx: JobContext, cfg: Config) -> None:
+    """The checkpoint to resume from, its files and its records (launcher.records), before Ray and
+    the actors start: it may have changed since the submission checked it. A ConfigError naming
+    the file and key; the other tasks see `done` and end."""
+    from launcher.driver.checkpoints import CheckpointManager, check_compatible
+
+    try:
+        ckpt = CheckpointManager(checkpoint_dirs(cfg, ctx.run_dir), cfg.checkpointing).resolve(cfg.resume)
+        check_compatible(ckpt.path, cfg)
+    except config_mod.ConfigError as e:
+        files.make_dir(ctx.rendezvous)
+        files.write_json(ctx.rendezvous / paths.DONE, {"ok": False, "error": str(e)})
+        raise
+
+
 def record_failure(run_dir: Path, job_id: str, error: BaseException) -> int:
     """Append the failure to RUN/failures.jsonl; how many failures this job (all its restarts) had."""
-    path = run_dir / "failures.jsonl"
-    with open(path, "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": job_id, "error": str(error)}) + "\n")
-    return sum(1 for line in path.read_text().splitlines() if json.loads(line)["job"] == job_id)
+    path = run_dir / paths.FAILURES
+    files.append_line(path, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": str(job_id), "error": str(error)})
+    return sum(1 for row in records.load_lines(path, records.FAILURE) if row["job"] == str(job_id))
 
 
 def latest_checkpoint(cfg: Config, run_dir: Path):
@@ -118,9 +138,8 @@ def _resume_point(cfg: Config, ckpt) -> str | None:
 
 def finished_before(ctx: JobContext, step: int) -> dict:
     """Task 0 of a requeued job whose run had finished: the other tasks see `done` and end too."""
-    ctx.rendezvous.mkdir(parents=True, exist_ok=True)
-    os.chmod(ctx.rendezvous, 0o700)
-    write_json(ctx.rendezvous / "done", {"ok": True, "error": None})
+    files.make_dir(ctx.rendezvous)
+    files.write_json(ctx.rendezvous / paths.DONE, {"ok": True, "error": None})
     return {"node": ctx.hostname, "role": "head", "result": {"step": step, "stopped": False}}
 
 
@@ -158,16 +177,13 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
     """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.run) with
     `signals` {signal: handler} installed, stop Ray."""
     ctx.startup.append(("launcher: Python, imports, config, run directory", time.time()))
-    ctx.rendezvous.mkdir(parents=True, exist_ok=True)
-    os.chmod(ctx.rendezvous, 0o700)
+    files.make_dir(ctx.rendezvous)  # the run directory's policy (RUN/ray/ and below)
     os.environ.update(driver_env(ctx))  # this process becomes the driver; Ray reads these at import
-    token = ctx.rendezvous / "token"
-    earlier = ctx.run_dir / "ray" / f"{ctx.job_id}.{ctx.attempt - 1}" / "token"
+    token = ctx.rendezvous / paths.TOKEN
+    earlier = ctx.run_dir / paths.RENDEZVOUS / f"{ctx.job_id}.{ctx.attempt - 1}" / paths.TOKEN
     # a restart inside this process keeps the job's token: Ray reads it once per process
     secret = earlier.read_text() if ctx.attempt > 0 and earlier.exists() else secrets.token_hex(32)
-    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret)
+    files.write(token, secret, files.PRIVATE)  # 0600 also in a run directory shared with the group
     if driver is None and cfg.run.job == "grpo":  # after the auth env and the token: it imports ray
         from launcher.driver.startup import warm_imports
         warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
@@ -178,14 +194,14 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
     try:
         wait_port(ip, port, timeout=60, proc=ray_proc, what=f"the Ray head on {ctx.hostname}",
                   log_file=ctx.log_path("ray"))
-        write_json(ctx.rendezvous / "head.json", {"ip": ip, "port": port, "host": ctx.hostname})
+        files.write_json(ctx.rendezvous / paths.HEAD, {"ip": ip, "port": port, "host": ctx.hostname})
         log(f"Ray head up at {ip}:{port} on {ctx.hostname} (job {ctx.job_id}); waiting for "
             f"{len(plan.nodes)} node(s)")
         connect(ctx, ip, port)
         with progress.waiting(f"waiting for {len(plan.nodes)} node(s) to register with the Ray head", log):
             wait_for_nodes(ctx, cfg, plan)
         ctx.startup.append(("Ray up (head started, all nodes registered)", time.time()))
-        (ctx.rendezvous / "registered").touch()  # from now on a lost node is a failure, not a retry
+        files.touch(ctx.rendezvous / paths.REGISTERED)  # from now on a lost node is a failure, not a retry
         if driver is None:
             from launcher import driver as driver_mod
             driver = driver_mod.run
@@ -197,7 +213,7 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
         status["error"] = f"{type(e).__name__}: {e}"
         raise
     finally:
-        write_json(ctx.rendezvous / "done", status)
+        files.write_json(ctx.rendezvous / paths.DONE, status)
         if any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
             stop_process_tree(ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
             disconnect()
@@ -210,8 +226,8 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
 def run_worker(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> dict:
     """Join the head (retrying), stay until the driver is done, then stop Ray by PID."""
     node = plan.nodes[ctx.node_index]
-    done = ctx.rendezvous / "done"
-    head_file = ctx.rendezvous / "head.json"
+    done = ctx.rendezvous / paths.DONE
+    head_file = ctx.rendezvous / paths.HEAD
     deadline = time.time() + cfg.ray.register_timeout_s
     while not head_file.exists():
         if done.exists():
@@ -220,7 +236,10 @@ def run_worker(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> dict:
             return _report_failure(ctx, f"no Ray head published {head_file} within "
                                         f"{cfg.ray.register_timeout_s:.0f}s")
         time.sleep(0.5)
-    head = json.loads(head_file.read_text())
+    try:
+        head = records.load(head_file, records.HEAD)
+    except records.RecordError as e:
+        return _report_failure(ctx, str(e))
     try:
         wait_port(head["ip"], head["port"], timeout=cfg.ray.register_timeout_s, what="the Ray head")
     except ClusterError as e:
@@ -240,7 +259,7 @@ def run_worker(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> dict:
             stop_process_tree(proc)
         if state == "done" or done.exists():
             return {"node": ctx.hostname, "role": "worker", "joined": True, "attempts": attempt}
-        if (ctx.rendezvous / "registered").exists():  # the run had started: rejoining cannot help it
+        if (ctx.rendezvous / paths.REGISTERED).exists():  # the run had started: rejoining cannot help it
             return _report_failure(ctx, ray_stopped(ctx, proc, watch.fatal), "left the Ray cluster")
         reason = watch.fatal or ray_exit(ctx, proc)
         log(f"{ctx.hostname}: attempt {attempt}/{cfg.ray.join_retries} to join failed: {reason}")

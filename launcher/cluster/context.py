@@ -8,13 +8,13 @@ of its own, bootstrap.NodeQuery); the driver's failure messages the reports (fai
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher import paths, records
 from launcher import plan as plan_mod
 
 
@@ -46,14 +46,14 @@ class JobContext:
 
     @property
     def rendezvous(self) -> Path:
-        return self.run_dir / "ray" / f"{self.job_id}.{self.attempt}"
+        return self.run_dir / paths.RENDEZVOUS / f"{self.job_id}.{self.attempt}"
 
     @property
     def hostname(self) -> str:
         return self.hostnames[self.node_index]
 
     def log_path(self, what: str) -> Path:
-        return self.run_dir / "logs" / f"{what}-{self.hostname}.log"
+        return self.run_dir / paths.LOGS / f"{what}-{self.hostname}.log"
 
     @property
     def ray_temp_dir(self) -> Path:
@@ -72,10 +72,25 @@ def doing(ctx: JobContext) -> str:
     return f" during {p['phase']}" + (f" at step {p['step']}" if p.get("step") is not None else "")
 
 
+def node_reports(ctx: JobContext, plan: plan_mod.Plan) -> list[dict]:
+    """The nodes' reports (failed_node<i>.json, launcher.records.NODE_REPORT), each naming a
+    planned node; one that does not is a ClusterError naming the file."""
+    out = []
+    for path in sorted(ctx.rendezvous.glob(paths.NODE_REPORTS)):
+        try:
+            r = records.load(path, records.NODE_REPORT)
+            if r["node_index"] >= len(plan.nodes):
+                raise records.RecordError(path, "node_index", f"must name one of the {len(plan.nodes)} planned "
+                                                              f"nodes, got {r['node_index']}")
+        except records.RecordError as e:
+            raise ClusterError(f"a node report that is not one: {e}") from None
+        out.append(r)
+    return out
+
+
 def check_reports(ctx: JobContext, plan: plan_mod.Plan) -> None:
     """Raise ClusterError for a node whose bootstrap reported its Ray gone (failed_node<i>.json)."""
-    for report in sorted(ctx.rendezvous.glob("failed_node*.json")):
-        r = json.loads(report.read_text())
+    for r in node_reports(ctx, plan):
         node = plan.nodes[r["node_index"]]
         raise ClusterError(f"node {node.index} ({r['host']}, {'+'.join(node.roles)}) left the Ray cluster"
                            f"{doing(ctx)}: {r['reason']} (log: {r['log']})")

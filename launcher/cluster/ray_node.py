@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from launcher import plan as plan_mod
-from launcher.cluster.context import ClusterError, JobContext, alive_resources, log
+from launcher import files, paths
+from launcher.cluster.context import ClusterError, JobContext, alive_resources, log, node_reports
 from launcher.cluster.join import JoinDeadline, index_ranges
 from launcher.config.schema import Config
 from launcher.job import stop
@@ -62,9 +63,8 @@ def wait_for_nodes(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, poll_s: fl
         fatal = fatal_ray_error(ctx.ray_temp_dir, since=0.0)  # this job attempt's own temp dir
         if fatal:
             raise ClusterError(f"node 0 ({ctx.hostname}, head): {fatal}")
-        failed = sorted(ctx.rendezvous.glob("failed_node*.json"))
-        if failed:
-            reports = [json.loads(p.read_text()) for p in failed]
+        reports = node_reports(ctx, plan)
+        if reports:
             raise ClusterError("; ".join(
                 f"node {r['node_index']} ({r['host']}, {'+'.join(plan.nodes[r['node_index']].roles)}) could not "
                 f"join the Ray cluster: {r['reason']} (log: {r['log']})" for r in reports))
@@ -92,7 +92,7 @@ def _not_registered(ctx: JobContext, plan: plan_mod.Plan, deadline: JoinDeadline
 
 
 def auth_env(ctx: JobContext) -> dict[str, str]:
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ctx.rendezvous / "token")}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ctx.rendezvous / paths.TOKEN)}
 
 
 def driver_env(ctx: JobContext) -> dict[str, str]:
@@ -124,9 +124,8 @@ def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: st
     else:
         cmd += [f"--address={head_ip}:{port}"]
     log_file = ctx.log_path("ray")
-    log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **auth_env(ctx), "RAY_USAGE_STATS_ENABLED": "0"}
-    with open(log_file, "a") as out:
+    with files.open_append(log_file) as out:  # the run directory's mode
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
         # under launcher.reaper: nothing of this Ray node survives this process (see its docstring)
@@ -212,8 +211,3 @@ def tail(path: Path | None, n: int = 3) -> str:
     except (OSError, AttributeError):
         return f"see {path}"
 
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    tmp.replace(path)

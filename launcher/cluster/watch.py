@@ -22,9 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from launcher import files, paths
 from launcher import plan as plan_mod
 from launcher.cluster.context import ClusterError, JobContext, alive_resources, check_alive, check_reports
-from launcher.cluster.ray_node import fatal_ray_error, port_open, tail, write_json
+from launcher.cluster.ray_node import fatal_ray_error, port_open, tail
 from launcher.job import stop
 
 CHECK_S = 2.0        # the head's liveness checks (a lost node is named within about this, plus Ray's report)
@@ -91,7 +92,7 @@ class WorkerWatch:
                  probe: Callable[[str, int], bool] = port_open, rng: random.Random | None = None,
                  probe_s: float = HEAD_PROBE_S, grace_s: float = HEAD_GRACE_S, sleep=time.sleep):
         self.ctx, self.head, self.proc, self.started = ctx, head, proc, started
-        self.done = ctx.rendezvous / "done"
+        self.done = ctx.rendezvous / paths.DONE
         self.probe, self.probe_s, self.grace_s, self.sleep = probe, probe_s, grace_s, sleep
         self.next_probe = started + (rng or random.Random()).uniform(0.0, probe_s)  # spread over the nodes
         self.fatal: str | None = None
@@ -123,8 +124,9 @@ class WorkerWatch:
 # ------------------------------------------------------------------------------------ reports
 def write_node_report(ctx: JobContext, reason: str) -> None:
     """RUN/ray/<job>.<attempt>/failed_node<i>.json: what check_reports (and failures.lost_node) name."""
-    write_json(ctx.rendezvous / f"failed_node{ctx.node_index}.json",
-               {"node_index": ctx.node_index, "host": ctx.hostname, "reason": reason, "log": str(ctx.log_path("ray"))})
+    files.write_json(ctx.rendezvous / paths.NODE_REPORT.format(index=ctx.node_index),
+                     {"node_index": ctx.node_index, "host": ctx.hostname, "reason": reason,
+                      "log": str(ctx.log_path("ray"))})
 
 
 def ray_exit(ctx: JobContext, proc: subprocess.Popen) -> str:

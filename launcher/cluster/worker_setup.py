@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from pathlib import Path
 
+from launcher import files
 from launcher.job import stop
 
 ENV = "LAUNCHER_ACTOR_LOG_DIR"
@@ -37,10 +39,9 @@ def setup() -> None:
     directory = os.environ.get(ENV)
     if not directory:
         return
-    os.makedirs(directory, exist_ok=True)
-    fd = os.open(path_for(directory, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = files.open_append(Path(path_for(directory, os.getpid())), binary=True)  # the run directory's mode
     sys.stdout.flush()
     sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    log.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config.schema import SCHEMA_SECTIONS, Config, ConfigError, expected, typed  # ConfigError: the CLI's error type
+from launcher.config.schema import SCHEMA_SECTIONS, Config, ConfigError, expected  # ConfigError: the CLI's error type
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "optim", "refit", "checkpointing", "slurm")
@@ -114,18 +114,22 @@ def to_yaml(cfg: DictConfig) -> str:
 
 
 def save(cfg: DictConfig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(path)
+    """A resolved config as the run's config.yaml (launcher.files: atomic, the run directory's mode)."""
+    from launcher import files
+
+    files.write(path, to_yaml(cfg))
 
 
 def load(path: Path) -> DictConfig:
-    if not path.is_file():
-        raise ConfigError(str(path), "no resolved config here (is this a run directory?)")
-    return OmegaConf.load(path)
+    """A saved config.yaml (a run's or a checkpoint's), checked against the schema
+    (launcher.records.load_config: safe YAML, types, ranges; one line naming the file and key)."""
+    from launcher import records
+
+    return records.load_config(Path(path))
 
 
 def load_typed(path: Path) -> Config:
     """A saved config.yaml (a run's or a checkpoint's) as the typed Config."""
-    return typed(load(path))
+    from launcher import records
+
+    return records.load_config(Path(path), typed=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from launcher import memory, paths
 from launcher import plan as plan_mod
-from launcher.config import model_facts
+from launcher.config import model_facts, model_files
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
 from launcher.config.schema import (BUILTIN_MODELS, LORA_MODULES, REFIT_MODES, REFIT_TRANSPORTS as TRANSPORTS,
@@ -76,28 +76,28 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
             errs.append(ConfigError("model.builtin", f"with model.path null, must be a built-in recipe: "
                                                      f"{', '.join(sorted(BUILTIN_MODELS))}; got {m.builtin!r}"))
     elif submitting or paths.model_dir(cfg).exists():
-        errs += _model_dir(cfg)
+        errs += _model_dir(cfg, submitting)
     if m.num_attention_heads % max(m.num_query_groups, 1):
         errs.append(ConfigError("model.num_query_groups", f"must divide num_attention_heads = "
                                                           f"{m.num_attention_heads}, got {m.num_query_groups}"))
     return errs
 
 
-def _model_dir(cfg: Config) -> list[ConfigError]:
-    """A local HF checkpoint: a directory whose config.json is readable and of a supported family."""
-    m = cfg.model
+def _model_dir(cfg: Config, submitting: bool) -> list[ConfigError]:
+    """A local HF checkpoint: a config.json of a supported family, and (submitting: a dry run notes
+    it) everything else the run reads from it (safetensors weights, a tokenizer:
+    launcher.config.model_files)."""
     path = paths.model_dir(cfg)
     cfg_file = path / "config.json"
-    if not path.is_dir():
-        return [ConfigError("model.path", f"{m.path} is not a directory (a local HF checkpoint is needed)")]
-    if not cfg_file.is_file():
-        return [ConfigError("model.path", f"{m.path} has no config.json (a local HF checkpoint is needed)")]
+    missing = model_files.problem(path)
+    if missing is not None and not cfg_file.is_file():
+        return [ConfigError("model.path", missing)]
     try:  # the numbers themselves came from it (model_facts.apply); here: readable and supported
         facts, architectures = model_facts.read(path)
         model_facts.check_supported(facts, architectures, str(cfg_file))
     except ConfigError as e:
         return [e]
-    return []
+    return [ConfigError("model.path", missing)] if missing is not None and submitting else []
 
 
 def _parallel_vs_model(cfg: Config) -> list[ConfigError]:

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher import files, paths, records
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Checkpointing, Config
 from launcher.paths import absolute
@@ -41,8 +42,10 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """The `step_N` folders under `root` (complete or not), oldest first; cheap: nothing is read."""
     return sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                   if (m := _STEP.match(p.name)) and p.is_dir())
-MANIFEST = "manifest.json"
-INFO = "training_info.json"
+MANIFEST = paths.MANIFEST
+INFO = paths.TRAINING_INFO
+CONFIG = paths.CONFIG
+TRAINER = paths.TRAINER
 
 
 class CheckpointError(Exception):
@@ -55,7 +58,7 @@ class Checkpoint:
     path: Path
 
     def info(self) -> dict:
-        return json.loads((self.path / INFO).read_text())
+        return _record(self.path / INFO, records.TRAINING_INFO)
 
 
 def _sha256(path: Path) -> str:
@@ -76,18 +79,14 @@ def size_of(path: Path) -> int:
 
 
 def verify(path: Path) -> None:
-    """Raise CheckpointError naming the first missing, truncated or unreadable file."""
+    """Raise CheckpointError naming the first missing, truncated or unreadable file, or the first
+    record that is not what this launcher writes (launcher.records) or disagrees with another: a
+    checkpoint's step is its folder's N (step_N), its training_info.json's and its trainer state's."""
     manifest = path / MANIFEST
     if not manifest.is_file():
         raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST})")
-    try:
-        expected = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{manifest}: not a checkpoint manifest (unreadable JSON)") from None
-    try:
-        listed = {rel: (int(e["size"]), str(e["sha256"])) for rel, e in expected.items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise CheckpointError(f"{manifest}: not a checkpoint manifest (entries need size and sha256)") from None
+    expected = _record(manifest, records.MANIFEST)["files"]
+    listed = {rel: (e["size"], e["sha256"]) for rel, e in expected.items()}
     root = path.resolve()
     for rel in listed:
         parts = Path(rel).parts
@@ -106,14 +105,44 @@ def verify(path: Path) -> None:
                    if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in listed)
     if extra:
         raise CheckpointError(f"{path / extra[0]}: not part of the checkpoint (not in {MANIFEST})")
-    try:
-        info = json.loads((path / INFO).read_text())
-        int(info["step"]), int(info["consumed_prompts"])
-    except (ValueError, KeyError, TypeError, OSError, OverflowError):  # OverflowError: "step": Infinity
-        raise CheckpointError(f"{path / INFO}: not valid training info (JSON with step, consumed_prompts)") from None
+    info = _record(path / INFO, records.TRAINING_INFO)
+    m = _STEP.match(path.name)
+    if m and int(m.group(1)) != info["step"]:
+        raise CheckpointError(f"{path / INFO}: step: {info['step']}, but the folder is {path.name}; the checkpoint's "
+                              f"records disagree, not resumable")
     for rel in listed:
         if Path(rel).name.endswith(".metadata"):
             _check_pickle(path / rel)
+    _check_trainer_step(path, info["step"])
+    try:
+        records.load_config(path / CONFIG)
+    except records.RecordError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _record(path: Path, record: records.Record) -> dict:
+    try:
+        return records.load(path, record)
+    except records.RecordError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _check_trainer_step(path: Path, step: int) -> None:
+    """The trainers' own step (saved in their state by workers.trainer.state.save_state) is the
+    checkpoint's: a resume continues the optimizer and the scheduler from it."""
+    from workers import safe_unpickle
+    from workers.trainer.state import SavedStateError, saved_trainer_info
+
+    try:
+        saved = saved_trainer_info(str(path / TRAINER))["step"]
+    except SavedStateError as e:
+        raise CheckpointError(str(e)) from None
+    except safe_unpickle.Refused as e:
+        raise CheckpointError(f"{path / TRAINER}: {e}; the checkpoint was not written by this launcher, nothing "
+                              f"was run") from None
+    if saved != step:
+        raise CheckpointError(f"{path / INFO}: step: {step}, but the trainer state in {path / TRAINER} is at step "
+                              f"{saved}; the checkpoint's records disagree, not resumable")
 
 
 def _check_pickle(f: Path) -> None:
@@ -150,9 +179,9 @@ def check_compatible(ckpt: Path, cfg) -> None:
     from launcher.config import compose as config_mod
 
     try:
-        saved = config_mod.load(ckpt / "config.yaml")
-    except Exception:  # noqa: BLE001 - any unreadable config is the same user-facing problem
-        raise ConfigError("resume", f"{ckpt / 'config.yaml'}: unreadable; not a checkpoint of this launcher") from None
+        saved = config_mod.load(ckpt / CONFIG)  # its schema: launcher.records.load_config
+    except ConfigError as e:
+        raise ConfigError("resume", f"{e}; not a checkpoint of this launcher") from None
     for section, keys in COMPATIBLE:
         for key in keys:
             default = getattr(getattr(Config(), section), key)  # a key the saved YAML left to the schema
@@ -200,7 +229,7 @@ class CheckpointManager:
             verify(path)
         except CheckpointError as e:
             raise ConfigError("resume", f"{e}; complete checkpoints in {self.root}: {listing}") from None
-        return Checkpoint(int(json.loads((path / INFO).read_text())["step"]), path)
+        return Checkpoint(_record(path / INFO, records.TRAINING_INFO)["step"], path)
 
     def start_branch(self, ckpt: Checkpoint, run_dir: Path) -> Path | None:
         """Resuming from `ckpt` when newer checkpoints or metrics rows exist starts a new branch:
@@ -209,23 +238,20 @@ class CheckpointManager:
         is deleted). Retention and a requeue then only see the branch's own checkpoints. Returns
         the folder the checkpoints went to, or None when nothing was newer."""
         newer = [p for step, p in step_dirs(self.root) if step > ckpt.step and p.resolve() != ckpt.path.resolve()]
-        metrics = run_dir / "metrics.jsonl"
+        metrics = run_dir / paths.METRICS
         rows = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
         later = [r for r in rows if _row_step(r) > ckpt.step]
         if not newer and not later:
             return None
         name = f"{time.strftime('%Y%m%d-%H%M%S')}-from-step_{ckpt.step}"
-        aside = self.root / "abandoned" / name
+        aside = self.root / paths.ABANDONED / name
         if newer:  # (a run killed before its first checkpoint after S has only newer metrics rows)
-            aside.mkdir(parents=True, exist_ok=True)
+            files.make_dir(aside)
         for p in newer:
             os.replace(p, aside / p.name)
         if later:
-            (run_dir / "abandoned" / name).mkdir(parents=True, exist_ok=True)
-            (run_dir / "abandoned" / name / "metrics.jsonl").write_text("".join(later))
-            tmp = metrics.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(r for r in rows if _row_step(r) <= ckpt.step))
-            os.replace(tmp, metrics)
+            files.write(run_dir / paths.ABANDONED / name / paths.METRICS, "".join(later))
+            files.write(metrics, "".join(r for r in rows if _row_step(r) <= ckpt.step))
         return aside
 
     def due(self, step: int, last_step: int, stopping: bool = False) -> bool:
@@ -236,20 +262,16 @@ class CheckpointManager:
         tmp = self.root / f"tmp_step_{step}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        return tmp
+        return files.make_dir(tmp)  # the policy of the checkpoint folder (launcher.files)
 
     def commit(self, tmp: Path, step: int, info: dict, config_yaml: str) -> Checkpoint:
         """Write the driver's files and the manifest into `tmp`, then rename it to step_N."""
-        (tmp / INFO).write_text(json.dumps({"step": step, **info, "time": time.time()}, indent=1))
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / MANIFEST).write_text(json.dumps({"files": _files(tmp)}, indent=1))
-        _fsync_tree(tmp)
-        final = self.root / f"step_{step}"
-        if final.exists():  # a rerun of this step after a crash: the new one replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
+        files.write_json(tmp / INFO, {"step": step, **info, "time": time.time()})
+        files.write(tmp / CONFIG, config_yaml)
+        files.write_json(tmp / MANIFEST, {"files": _files(tmp)})
+        # the trainer ranks' files brought to the folder's policy; a rerun of this step after a crash replaces it
+        final = files.publish(tmp, self.root / f"step_{step}")
+        verify(final)  # what a resume checks: a writer and its reader that disagree fail here, loudly
         self._retain(final)
         return Checkpoint(step, final)
 
@@ -257,7 +279,7 @@ class CheckpointManager:
         try:
             v = c.info().get("metrics", {}).get(self.cfg.metric_name)
             return float(v) if v is not None else None
-        except (OSError, ValueError):
+        except (CheckpointError, ValueError):
             return None
 
     def _retain(self, written: Path) -> None:
@@ -279,19 +301,3 @@ def _row_step(line: str) -> float:
         return float(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return -1.0   # an unreadable row stays where it is
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

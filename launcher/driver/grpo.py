@@ -17,6 +17,7 @@ import time
 
 from omegaconf import OmegaConf
 
+from launcher import files, paths
 from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext, log
 from launcher.config.schema import Config, ConfigError
@@ -204,7 +205,7 @@ class GrpoRun:
         self.startup.mark(("resume + " if cfg.resume else "") + "metrics writers (TensorBoard)")
         first_step = step + 1
         stale, last_saved = True, step
-        config_yaml = (self.run_dir / "config.yaml").read_text()
+        config_yaml = (self.run_dir / paths.CONFIG).read_text()
         try:
             while step < g.max_num_steps and not self.stop.is_set():
                 step += 1
@@ -240,11 +241,11 @@ class GrpoRun:
                 self.save(step, position, {}, config_yaml)
         finally:
             metrics.close()
-        rows = read(self.run_dir / "metrics.jsonl")
+        rows = read(self.run_dir / paths.METRICS)
         plot(rows, self.run_dir / "reward.png")
         table = summary(rows)
         table += "\n" + summary_text(self.startup, [r for r in rows if r["step"] >= first_step])
-        (self.run_dir / "summary.txt").write_text(table + "\n")
+        files.write(self.run_dir / paths.SUMMARY, table + "\n")
         stopped = self.stop.is_set() and step < g.max_num_steps
         log(("stopped" if stopped else "finished") + f" at step {step}/{g.max_num_steps}\n" + table)
         return {"step": step, "stopped": stopped}
@@ -275,7 +276,7 @@ class GrpoRun:
         done = self.ckpts.complete()
         trainable = self.trainers.infos[0]["num_parameters"]["trainable"]
         need = size_of(done[-1].path) if done else 12 * trainable + (1 << 20)
-        self.ckpts.root.mkdir(parents=True, exist_ok=True)
+        files.make_dir(self.ckpts.root)
         free = shutil.disk_usage(self.ckpts.root).free
         if free < 1.2 * need:
             raise StepFailed(f"checkpoint step_{step} needs about {need / 2**20:.1f} MiB but only "

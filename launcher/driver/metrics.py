@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import progress
+from launcher import files, paths, progress
 from launcher.config.schema import Logging
 
 
@@ -25,12 +25,12 @@ def read(path: Path) -> list[dict]:
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: Logging, total_steps: int, resumed_step: int = 0):
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / paths.METRICS
         self.run_dir = run_dir
         self.total = total_steps
         self.t0 = time.time()
         kept = [r for r in read(self.path) if r["step"] <= resumed_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        files.write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -45,8 +45,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        files.append_line(self.path, row)
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)):
                 if self.tb is not None:
@@ -140,6 +139,10 @@ def plot(rows: list[dict], out: Path) -> Path | None:
     b.legend()
     b.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    import io
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
+    files.write(out, png.getvalue())
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from launcher import files
 from launcher.config.schema import Config
 from launcher.paths import model_dir
 
@@ -14,5 +15,8 @@ def ensure(cfg: Config) -> Path:
     if cfg.model.path is None:
         from workers import tiny_models
 
+        new = not path.exists()
         tiny_models.build(path, str(cfg.model.builtin))
+        if new:  # under run.root: the policy of the run that built it (launcher.files)
+            files.seal(path, files.Policy.of(cfg))
     return path

@@ -32,8 +32,10 @@ import sys
 import time
 from pathlib import Path
 
+from launcher import files, paths
 from launcher import plan as plan_mod
 from launcher.cluster.context import ClusterError, JobContext, log
+from launcher.config import model_files
 from launcher.config.schema import Config
 from launcher.paths import checkpoint_dirs, model_dir
 
@@ -169,7 +171,7 @@ def probe(args: dict) -> dict:
     r["own_file"] = str(mine)
 
     def write_own():
-        mine.write_text(f"{args['nonce']} {host}")
+        files.write(mine, f"{args['nonce']} {host}")
         if mine.read_text() != f"{args['nonce']} {host}":
             raise RuntimeError(f"{mine} reads back other content")
 
@@ -179,8 +181,8 @@ def probe(args: dict) -> dict:
     except OSError:
         r["free_gib"] = None
     model = Path(args["model_dir"])
-    if args["model_must_exist"] or model.exists():
-        r["model"] = _try(lambda: (os.listdir(model), (model / "config.json").open("rb").read(1)))
+    if args["model_must_exist"] or model.exists():  # what the run will read from it, as a submission checks it
+        r["model"] = model_files.problem(model) or "ok"
     else:
         r["model"] = _try(lambda: _writable_dir(model))   # built by node 0 at the start of the run
     r["checkpoint_dir"] = _try(lambda: _writable_dir(Path(args["checkpoint_dir"]))) if trains else "-"
@@ -295,15 +297,13 @@ def _launch(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, args: dict) -> su
 
 def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
     """Probe every node of the job (node 0 calls this before Ray starts). Raises PreflightFailed."""
-    from launcher.cluster.ray_node import free_port, resolve_ip, write_json
+    from launcher.cluster.ray_node import free_port, resolve_ip
 
     t0 = time.time()
     run_dir = ctx.run_dir
-    folder = run_dir / "preflight" / f"{ctx.job_id}.{ctx.attempt}"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = files.make_dir(run_dir / "preflight" / f"{ctx.job_id}.{ctx.attempt}")
     nonce = secrets.token_hex(8)
-    token = folder / "node0.txt"
-    token.write_text(nonce)
+    token = files.write(folder / "node0.txt", nonce)
     model = model_dir(cfg)
     args = {"device": plan.device, "run_dir": str(run_dir), "token_file": str(token), "nonce": nonce,
             "model_dir": str(model), "model_must_exist": bool(cfg.model.path),
@@ -335,11 +335,11 @@ def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
     report["seconds"] = round(time.time() - t0, 1)
     table = format_table(report)
     print(table, flush=True)
-    (run_dir / "preflight.txt").write_text(table + "\n")
-    (run_dir / "preflight.json").write_text(json.dumps(report, indent=1))
+    files.write(run_dir / "preflight.txt", table + "\n")
+    files.write_json(run_dir / "preflight.json", report)
     if problems:
-        ctx.rendezvous.mkdir(parents=True, exist_ok=True)
-        write_json(ctx.rendezvous / "done", {"ok": False, "error": "preflight failed"})  # other tasks leave
+        files.make_dir(ctx.rendezvous)
+        files.write_json(ctx.rendezvous / paths.DONE, {"ok": False, "error": "preflight failed"})  # other tasks leave
         raise PreflightFailed(f"preflight found {len(problems)} problem(s) that would stop the run:\n  "
                               + "\n  ".join(problems))
     return report

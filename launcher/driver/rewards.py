@@ -28,7 +28,6 @@ import importlib.util
 import inspect
 import math
 import re
-import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -109,9 +108,9 @@ def copy_into_run(spec: str, run_dir: Path) -> None:
     """At submission: a file reward is copied into the run directory (the job loads that copy)."""
     src = file_part(spec)
     if src is not None:
-        dst = run_copy(run_dir, spec)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dst)
+        from launcher import files
+
+        files.copy(src, run_copy(run_dir, spec))  # the run directory's mode
 
 
 def load(spec: str, answer_key: str = "answer", run_dir: Path | None = None) -> Callable[[str, dict], float]:
@@ -236,8 +235,9 @@ class Rewards:
                 raise RewardFailed(f"reward.fn {self.r.fn} failed on {ex.where}: {res[1]} (reward.on_error=fail; "
                                    f"reward.on_error=zero scores it 0 and goes on)")
             if not self.log_path.exists():
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                self.log_path.write_text(f"reward.fn {self.r.fn} on {ex.where}: {res[1]}\n{res[2]}")
+                from launcher import files
+
+                files.write(self.log_path, f"reward.fn {self.r.fn} on {ex.where}: {res[1]}\n{res[2]}")
         return rewards, errors
 
     def close(self) -> None:

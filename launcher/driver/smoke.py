@@ -14,12 +14,12 @@ records the GPUs each Ray node offers and checks them against the plan on cuda."
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 from pathlib import Path
 
+from launcher import files
 from launcher import plan as plan_mod
 from workers.generator.placement import in_placement_group
 
@@ -79,7 +79,7 @@ def run(plan: plan_mod.Plan, hostnames: list[str], out: Path) -> dict:
         ray.kill(a)
     for pg in groups:
         ray.util.remove_placement_group(pg)
-    out.write_text(json.dumps(report, indent=1))
+    files.write_json(out, report)
     if wrong:
         raise RuntimeError("placement differs from the plan: " + "; ".join(wrong))
     return report

@@ -19,7 +19,6 @@ warm-up (step 1 against the median of the later steps) and `startup.json` holds 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -104,7 +103,9 @@ class Startup:
                             "parts": [{"name": n, "seconds": s} for n, s in p.parts]} for p in self.phases]}
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        from launcher import files
+
+        files.write_json(path, self.to_json())
 
 
 # ------------------------------------------------------------------ what the driver adds

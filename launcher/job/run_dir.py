@@ -22,7 +22,7 @@ from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
 from launcher.driver import data, rewards
 from launcher.job import sbatch
-from launcher import paths
+from launcher import files, paths
 from launcher.paths import checkpoint_dirs
 
 
@@ -55,7 +55,7 @@ def slurm_state(job_id: str) -> str | None:
 def active_job(run_dir: Path) -> tuple[str, str] | None:
     """(job id, state) of a job recorded in submissions.jsonl that is still queued or running."""
     try:
-        lines = (run_dir / "submissions.jsonl").read_text().splitlines()[-5:]
+        lines = (run_dir / paths.SUBMISSIONS).read_text().splitlines()[-5:]
     except OSError:
         return None
     ids = []
@@ -78,7 +78,7 @@ def _claim(cfg: Config, run_dir: Path, ckpts: Path) -> None:
         raise ConfigError("run.name", f"{run_dir} belongs to job {job[0]} ({job[1]}), which reads its config.yaml "
                                       f"when it starts or requeues; wait for it, scancel {job[0]}, or use "
                                       f"run.name=<new name>")
-    saved = run_dir / "config.yaml"
+    saved = run_dir / paths.CONFIG
     if cfg.resume is None and saved.is_file():
         try:
             before = (OmegaConf.load(saved).get("checkpointing") or {}).get("dir")
@@ -93,7 +93,7 @@ def _claim(cfg: Config, run_dir: Path, ckpts: Path) -> None:
                                                    f"run.name=<new name>")
 
 
-IN_USE = ".in_use"  # flock'ed by the process of a local run while it lives (see hold)
+IN_USE = paths.IN_USE  # flock'ed by the process of a local run while it lives (see hold)
 _HELD: dict[Path, int] = {}  # run directories this process holds: path -> the locked file's fd
 
 
@@ -109,7 +109,11 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
     path = run_dir / IN_USE
     if run_dir.resolve() in _HELD:
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, paths.file_mode(cfg))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, files.Policy.of(cfg).file_mode)
+    try:
+        os.fchmod(fd, files.Policy.of(cfg).file_mode)
+    except PermissionError:  # another user's lock file: only tried
+        pass
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -130,12 +134,15 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
     _HELD[run_dir.resolve()] = fd
 
 
-def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, spec: sbatch.JobSpec | None,
-            runs_here: bool = True) -> None:
-    """Check the run directory may be used, then write config.yaml, plan.txt and ray_job.sbatch.
-    `runs_here`: a local run's job runs in this process (False: a local sweep's child runs it)."""
+def check(cfg: Config, run_dir: Path) -> tuple:
+    """Every refusal of a submission on this run directory, writing nothing: another job or a local
+    run uses it, its checkpoints live elsewhere, it holds checkpoints and this is not a resume, the
+    checkpoint to resume is unusable (its files and records) or the run is done. A sweep checks
+    every point before it writes any. Returns (the checkpoint folder, the resume's manager and
+    checkpoint, or None)."""
     ckpts = checkpoint_dirs(cfg, run_dir)
     _claim(cfg, run_dir, ckpts)
+    resumed = None
     if cfg.resume is not None:
         from launcher.driver.checkpoints import CheckpointManager, check_compatible, nothing_left
 
@@ -146,34 +153,40 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
             raise ConfigError("grpo.max_num_steps", f"{ckpt.path} is at step {ckpt.step}: the run has done its "
                                                     f"{cfg.grpo.max_num_steps} steps; to train on, resume with "
                                                     f"grpo.max_num_steps=N above {ckpt.step}")
+        resumed = (manager, ckpt)
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "
                                       f"continue it with +resume=latest, or start fresh with run.name=<new name>")
+    if (run_dir / IN_USE).is_file():
+        hold(cfg, run_dir, keep=False)  # only tries the lock a local run on this machine holds
+    return ckpts, resumed
+
+
+def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, spec: sbatch.JobSpec | None,
+            runs_here: bool = True) -> None:
+    """Check the run directory may be used (check), then write config.yaml, plan.txt and ray_job.sbatch.
+    `runs_here`: a local run's job runs in this process (False: a local sweep's child runs it)."""
+    ckpts, resumed = check(cfg, run_dir)
+    policy = files.Policy.of(cfg)
     try:
-        for d in (run_dir, run_dir / "logs", ckpts):
-            d.mkdir(parents=True, exist_ok=True)
-        for d in (run_dir, run_dir / "logs", ckpts):
-            d.chmod(paths.dir_mode(cfg))  # also a run dir written before with wider modes: what is
-            # inside (the job's logs, checkpoints, submitit's files) is reachable only through it
+        for d in (run_dir, run_dir / paths.LOGS, ckpts):  # also a run dir written before with wider modes:
+            files.make_dir(d, policy)  # what is inside (the job's logs, checkpoints, ...) is reachable only through it
     except OSError as e:
         raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
     hold(cfg, run_dir, keep=runs_here and spec is None and cfg.submit)  # before anything in it changes
-    if cfg.resume is not None:  # before the job can start or requeue: it must see only this branch
+    if resumed is not None:  # before the job can start or requeue: it must see only this branch
+        manager, ckpt = resumed
         aside = manager.start_branch(ckpt, run_dir)
         if aside is not None:
             moved = f"the newer checkpoints were moved to {aside}, " if aside.is_dir() else ""
             print(f"note: resuming from step {ckpt.step} starts a new branch: {moved}later metrics rows to "
                   f"{run_dir / 'abandoned' / aside.name} (nothing deleted)", file=sys.stderr)
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
-    config_mod.save(resolved(raw, run_dir), run_dir / "config.yaml")
-    (run_dir / "plan.txt").write_text(plan.describe() + "\n" + memory.plan_memory(cfg, plan).describe() + "\n")
-    for f in ("config.yaml", "plan.txt"):
-        (run_dir / f).chmod(paths.file_mode(cfg))
+    config_mod.save(resolved(raw, run_dir), run_dir / paths.CONFIG)
+    files.write(run_dir / paths.PLAN, plan.describe() + "\n" + memory.plan_memory(cfg, plan).describe() + "\n")
     if spec is not None:
-        script = run_dir / "ray_job.sbatch"
-        script.write_text(sbatch.render(spec, plan, run_dir))
-        script.chmod(paths.dir_mode(cfg))  # executable by you (and your group with run.shared_with_group)
+        files.write(run_dir / paths.SBATCH_SCRIPT, sbatch.render(spec, plan, run_dir), executable=True)
 
 
 def written(run_dir: Path, spec: sbatch.JobSpec | None) -> str:
@@ -203,6 +216,5 @@ def resume_note(cfg: Config, run_dir: Path) -> str | None:
 
 
 def record_submission(run_dir: Path, job_id: str) -> None:
-    with open(run_dir / "submissions.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job_id": job_id,
-                            "argv": sys.argv[1:]}) + "\n")
+    files.append_line(run_dir / paths.SUBMISSIONS, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job_id": job_id,
+                                                    "argv": sys.argv[1:]})

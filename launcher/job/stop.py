@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import threading
@@ -24,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
+
+from launcher import files, paths, records
 
 JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
@@ -116,21 +117,19 @@ def stop_and_wait(budget_s: float) -> None:
     running_now.thread.join(timeout=budget_s)
 
 
-STOP_FILE = "stop_requested"   # written by `python -m launcher.stop`
-STOPPED_FILE = "stopped.json"  # written when the driver ended because of it
+STOP_FILE = paths.STOP_REQUEST   # written by `python -m launcher.stop`
+STOPPED_FILE = paths.STOPPED     # written when the driver ended because of it
 
 
 def write_stop_request(run_dir: Path, by: str) -> None:
-    tmp = Path(run_dir) / (STOP_FILE + ".tmp")
-    tmp.write_text(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "by": by}) + "\n")
-    tmp.replace(Path(run_dir) / STOP_FILE)
+    files.write_json(Path(run_dir) / STOP_FILE, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "by": by})
 
 
 def stop_requested(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((Path(run_dir) / STOP_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    """The stop request (launcher.records.STOP_REQUEST), None when there is none; RecordError
+    naming the file when it is not one."""
+    path = Path(run_dir) / STOP_FILE
+    return records.load(path, records.STOP_REQUEST) if path.exists() else None
 
 
 def clear_stop_request(run_dir: Path) -> None:
@@ -138,9 +137,18 @@ def clear_stop_request(run_dir: Path) -> None:
     (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
 
 
+def _asked(run_dir: Path) -> dict | None:
+    """In the job: the file is the request; a content that is not a request's still asks to stop."""
+    try:
+        return stop_requested(run_dir)
+    except records.RecordError as e:
+        _say(f"{e} (taken as a stop request all the same)")
+        return {"by": "an unreadable stop request", "time": "?"}
+
+
 def poll_stop_request(run_dir: Path) -> bool:
     """The bootstrap's watch loop: a stop request file stops the driver after its current step."""
-    asked = stop_requested(run_dir)
+    asked = _asked(run_dir)
     return bool(asked) and request_stop(f"stop requested ({asked.get('by', 'python -m launcher.stop')} at "
                                         f"{asked.get('time')}): stopping after the current step (a checkpoint "
                                         f"is saved first); the job will not be requeued")
@@ -149,22 +157,23 @@ def poll_stop_request(run_dir: Path) -> bool:
 def finish_stop_request(run_dir: Path, job_id: str, result: dict) -> bool:
     """After the driver ended: if a stop request ended it, record RUN/stopped.json (and consume
     the request); True then, and the job must not requeue."""
-    asked = stop_requested(run_dir)
+    asked = _asked(run_dir)
     if asked is None:
         return False
-    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": job_id, "step": result.get("step"),
-              "stopped": bool(result.get("stopped")), "requested": asked}
-    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps(record) + "\n")
+    step = result.get("step")
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": str(job_id),
+              "step": step if isinstance(step, int) else None, "stopped": bool(result.get("stopped")),
+              "requested": asked}
+    files.write_json(Path(run_dir) / STOPPED_FILE, record, indent=None)
     clear_stop_request(run_dir)
     _say(f"stopped on request at step {result.get('step')}; not requeued")
     return True
 
 
 def read_stopped(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((Path(run_dir) / STOPPED_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    """RUN/stopped.json (launcher.records.STOPPED), None when there is none."""
+    path = Path(run_dir) / STOPPED_FILE
+    return records.load(path, records.STOPPED) if path.exists() else None
 
 
 def requeue(job_id: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import submitit
 
+from launcher import files, paths
 from launcher import plan as plan_mod
 from launcher.job import sbatch
 from launcher.config.schema import Config
@@ -40,7 +41,7 @@ def _budget_s(run_dir: str) -> float:
     """Time to finish the step and save: the signal's lead on the kill, less a margin to requeue."""
     from launcher.config.compose import load_typed
 
-    cfg = load_typed(Path(run_dir) / "config.yaml")
+    cfg = load_typed(Path(run_dir) / paths.CONFIG)
     return max(5.0, cfg.slurm.signal_delay_s - 15.0)
 
 
@@ -53,7 +54,9 @@ def submit_slurm(cfg: Config, plan: plan_mod.Plan, run_dir: Path) -> submitit.Jo
     executor = submitit.SlurmExecutor(folder=submitit_folder(run_dir), max_num_timeout=cfg.slurm.max_num_timeout,
                                       python=spec.python_q)
     executor.update_parameters(**sbatch.submitit_parameters(spec))
-    return executor.submit(JobTask(str(run_dir)))
+    job = executor.submit(JobTask(str(run_dir)))
+    files.seal(run_dir / "submitit", files.Policy.of(cfg))  # submitit's pickles and script: the run's modes
+    return job
 
 
 def run_local(cfg: Config, plan: plan_mod.Plan, run_dir: Path, attempt: int = 0) -> dict:

@@ -3,7 +3,10 @@
   metrics rows aside, keeps the branch's own checkpoint through retention, and its retry/requeue
   path resumes from the branch's newest;
 - a real trainer checkpoint whose `.metadata` was replaced by a pickle that runs code, with a
-  manifest rewritten to match, is refused at submission: nothing runs."""
+  manifest rewritten to match, is refused at submission: nothing runs;
+- a real checkpoint whose records disagree with each other (training_info.json against its
+  folder's N and against the trainers' own saved step; a negative step), manifest rewritten to
+  match, is refused in one line naming the file and key, before Ray (no run directory is made)."""
 
 from __future__ import annotations
 
@@ -72,6 +75,28 @@ def test_forged_real_checkpoint_is_refused_before_anything_runs(trained, tmp_pat
                        capture_output=True, text=True, timeout=300)
     assert e.returncode == 2 and "refused to unpickle posix.system" in e.stderr, e.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("folder,info,message", [
+    ("step_4", {"step": 2, "consumed_prompts": 8}, "step: 2, but the folder is step_4"),
+    ("step_2", {"step": 2, "consumed_prompts": 8}, "step: 2, but the trainer state in {ckpt}/trainer is at step 4"),
+    ("step_4", {"step": -5, "consumed_prompts": -1}, "step: must be an integer >= 0, got -5"),
+])
+def test_a_real_checkpoint_whose_records_disagree_is_refused_before_ray(trained, tmp_path, folder, info, message):
+    """issue 26: `"step": -5, "consumed_prompts": -1` (manifest rewritten) resumed "at step -5" and ran
+    steps -4..3; the trainer's own saved step was never compared."""
+    from tests.helpers.checkpoints import rewrite_manifest
+
+    _, run = trained
+    ckpt = tmp_path / "theirs" / folder
+    shutil.copytree(run / "checkpoints" / "step_4", ckpt)
+    (ckpt / "training_info.json").write_text(json.dumps({**info, "metrics": {}}))
+    rewrite_manifest(ckpt)
+    p = launch(tmp_path / "mine", f"+resume={ckpt}", rc=2)
+    line = f"error: resume: {ckpt}/training_info.json: " + message.format(ckpt=ckpt)
+    assert p.stderr.startswith(line) and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "mine").exists()   # no run directory, so no rendezvous: Ray never started
+    assert p.stdout == ""
 
 
 def test_resume_from_an_older_step_is_a_new_branch(trained):

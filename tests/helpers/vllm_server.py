@@ -47,16 +47,24 @@ def serve_args(hint: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def vllm_server(args: list[str], log_path: Path, ready_timeout_s: float = 300):
+def vllm_server(args: list[str], log_path: Path, ready_timeout_s: float = 300, as_printed: bool = False,
+                cwd: Path = ROOT):
     """Yield the server's base URL once /v1/models answers; fail with the log's tail if it exits or
-    is not ready in time."""
+    is not ready in time. `as_printed`: the arguments alone (no test options, no KV cache size in the
+    environment: the entry point sizes it), plus the address to listen on; `cwd`: where the user runs
+    it (relative paths in `args` are taken from there)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "workers.generator.serve", *args, *TEST_OPTIONS, "--host", "127.0.0.1",
-           "--port", str(port)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "workers.generator.serve", *args, *([] if as_printed else TEST_OPTIONS),
+           "--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if as_printed:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         while True:

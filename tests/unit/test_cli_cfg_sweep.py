@@ -222,9 +222,10 @@ def test_a_point_whose_run_holds_checkpoints_stops_the_sweep_before_any_submissi
     (tmp_path / "slurm_2n-tiny_llama-dim16" / "checkpoints" / "step_3").mkdir(parents=True)
     p = cli("-m", "topology=slurm_2n", "peft.dim=8,16", f"run.root={tmp_path}", "submit=false")
     assert p.returncode == 2
-    assert p.stderr.startswith("error: point 1 (peft.dim=16): run.name: ")
+    assert p.stderr.startswith("error: point 1 (peft.dim=16): run.name: ") and p.stderr.count("\n") == 1
     assert "already holds checkpoints (step_3)" in p.stderr
-    assert p.stderr.strip().endswith("error: nothing was submitted")
+    assert p.stderr.strip().endswith("; nothing was written or submitted")
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["slurm_2n-tiny_llama-dim16"]  # point 0 not written
     assert not (tmp_path / "sweeps").exists()
 
 
@@ -305,11 +306,12 @@ def local_run(tmp_path: Path, steps: int) -> Path:
     m = MetricsLogger(run, Logging(tensorboard=False), total_steps=6)
     for s in range(1, steps + 1):
         m.log(s, {"train/reward": 0.1 * s, "timing/total_step": 2.0, "val/reward": 0.05 * s})
+    from tests.helpers.checkpoints import trainer_state
+
     mgr = CheckpointManager(run / "checkpoints", Checkpointing())
     tmp = mgr.begin(2)
-    (tmp / "trainer").mkdir()
-    (tmp / "trainer" / "state.bin").write_bytes(b"x")
-    mgr.commit(tmp, 2, {"consumed_prompts": 8, "metrics": {}}, "config")
+    trainer_state(tmp / "trainer", 2)
+    mgr.commit(tmp, 2, {"consumed_prompts": 8, "metrics": {}}, shown.stdout)
     (run / "ray" / f"local-{os.getpid()}.0").mkdir(parents=True)
     return run
 

@@ -55,10 +55,12 @@ def test_advantages_by_hand():
 
 
 def _save(mgr: CheckpointManager, step: int, reward: float):
+    from tests.helpers.checkpoints import config_yaml, trainer_state
+
     tmp = mgr.begin(step)
-    (tmp / "trainer").mkdir()
+    trainer_state(tmp / "trainer", step)
     (tmp / "trainer" / "weights.bin").write_bytes(b"x" * (100 + step))
-    return mgr.commit(tmp, step, {"consumed_prompts": step * 8, "metrics": {"train/reward": reward}}, "a: 1\n")
+    return mgr.commit(tmp, step, {"consumed_prompts": step * 8, "metrics": {"train/reward": reward}}, config_yaml())
 
 
 def test_checkpoint_commit_retention_and_resolve(tmp_path):

@@ -39,18 +39,18 @@ def base(tiny_model):
 @pytest.fixture
 def make_checkpoint(base, tmp_path):
     """make_checkpoint(tensors, *config overrides) -> a complete RUN/checkpoints/step_1."""
-    import torch.distributed.checkpoint as dcp
-
     from launcher.config import compose as config_mod
     from launcher.driver.checkpoints import CheckpointManager
     from launcher.config.schema import Checkpointing
 
     def make(tensors: dict, *overrides: str) -> Path:
+        from tests.helpers.checkpoints import trainer_state
+
         raw = config_mod.compose([f"model.path={base}", "peft=lora_attention", f"peft.dim={R}", "peft.alpha=16",
                                   "run.name=err", *overrides])
         manager = CheckpointManager(tmp_path / "run" / "checkpoints", Checkpointing())
         tmp = manager.begin(1)
-        dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(str(tmp / "trainer")), no_dist=True)
+        trainer_state(tmp / "trainer", 1, dict(tensors))
         return manager.commit(tmp, 1, {"consumed_prompts": 0, "metrics": {}}, config_mod.to_yaml(raw)).path
 
     return make

@@ -24,6 +24,7 @@ from launcher import __main__ as cli
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = "{root}"   # replaced by the sandbox's run.root
+SANDBOX = "{sandbox}"   # replaced by the sandbox
 SLURM = ["topology=slurm_3n"]
 
 
@@ -43,28 +44,66 @@ def _config_yaml(*overrides: str) -> str:
     return to_yaml(compose(list(overrides)))
 
 
-def _ckpt(run: str, step: int, info: dict | None = None, saved_config: bool = False, metrics: dict | None = None):
-    """A complete-looking checkpoint RUN/checkpoints/step_N written with the real manager (and
-    RUN/config.yaml as a launch saves it, with `saved_config`)."""
+def _ckpt(run: str, step: int, info: dict | None = None, saved_config: bool = False, metrics: dict | None = None,
+          trainer_step: int | None = None, files: dict | None = None, manifest: Callable[[dict], None] | None = None):
+    """A complete checkpoint RUN/checkpoints/step_N as the driver and the trainers write it
+    (tests/helpers/checkpoints.py), with RUN/config.yaml as a launch saves it (`saved_config`);
+    `info` (training_info.json) and `files` (relative path -> text) forged afterwards, with a
+    manifest rewritten to match (what anyone who can write the folder can do)."""
     def setup(sandbox: Path) -> None:
+        from tests.helpers.checkpoints import checkpoint, rewrite_manifest
+
         if saved_config:
             (sandbox / "runs" / run).mkdir(parents=True, exist_ok=True)
             (sandbox / "runs" / run / "config.yaml").write_text("checkpointing:\n  dir: null\n")
-        from launcher.config.schema import Checkpointing
-        from launcher.driver.checkpoints import CheckpointManager
-
-        manager = CheckpointManager(sandbox / "runs" / run / "checkpoints", Checkpointing(keep_top_k=None))
-        tmp = manager.begin(step)
-        (tmp / "trainer").mkdir()
-        (tmp / "trainer" / "x.bin").write_bytes(b"\0")
-        manager.commit(tmp, step, {"consumed_prompts": 0, "metrics": metrics or {}}, _config_yaml(*SLURM))
-        if info is not None:  # a forged or damaged training_info.json, with a manifest to match
-            from launcher.driver.checkpoints import MANIFEST, _files
-
-            final = manager.root / f"step_{step}"
-            (final / "training_info.json").write_text(json.dumps(info))
-            (final / MANIFEST).write_text(json.dumps({"files": _files(final)}))
+        final = checkpoint(sandbox / "runs" / run / "checkpoints", step, config=_config_yaml(*SLURM), metrics=metrics,
+                           trainer_step=trainer_step)
+        if info is not None or files or manifest:
+            if info is not None:
+                (final / "training_info.json").write_text(json.dumps(info))
+            for rel, text in (files or {}).items():
+                (final / rel).write_text(text)
+            rewrite_manifest(final)
+        if manifest is not None:  # a manifest that is not one: its own schema refuses it
+            m = json.loads((final / "manifest.json").read_text())
+            manifest(m)
+            (final / "manifest.json").write_text(json.dumps(m))
     return setup
+
+
+# tiny_llama's config.json as transformers writes it (the keys of a published Llama config.json,
+# scaled in depth and width to the built-in recipe, so no model fact differs from the conf)
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "head_dim": 32,
+              "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 1024, "rms_norm_eps": 1e-06, "vocab_size": 255, "tie_word_embeddings": False,
+              "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "dtype": "float32"}
+
+
+def _model(name: str, drop: tuple[str, ...] = (), extra: dict | None = None, cut: str | None = None):
+    """A base model folder {sandbox}/models/NAME as a download leaves it: config.json, weights in
+    safetensors (written with safetensors' own writer), a tokenizer; then `drop` files removed,
+    `extra` files (name -> text) added, the weight file `cut` cut short (an interrupted download)."""
+    def setup(sandbox: Path) -> None:
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        d = sandbox / "models" / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+        save_file({"model.embed_tokens.weight": np.zeros((255, 128), np.float32)}, str(d / "model.safetensors"))
+        (d / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel"}}))
+        for f in drop:
+            (d / f).unlink()
+        for f, text in (extra or {}).items():
+            (d / f).write_text(text)
+        if cut is not None:
+            data = (d / cut).read_bytes()
+            (d / cut).write_bytes(data[: len(data) // 2])
+    return setup
+
+
+def _index(*shards: str) -> str:
+    return json.dumps({"metadata": {"total_size": 1}, "weight_map": {f"t{i}": s for i, s in enumerate(shards)}})
 
 
 CASES = [
@@ -147,7 +186,7 @@ CASES = [
       for k, v in [("peft.alpha", "64"), ("peft.lora_dtype", "bfloat16"), ("model.dtype", "bfloat16"),
                    ("optim.optimizer", "sgd"), ("model.builtin", "tiny_llama_g4"), ("peft.dim", "8")]],
     Case("resume-step-infinity", ["run.name=i", "+resume=latest", *SLURM, "submit=false"], 2,
-         "resume: {root}/i/checkpoints/step_5/training_info.json: not valid training info",
+         "resume: {root}/i/checkpoints/step_5/training_info.json: not valid JSON (Infinity is not JSON)",
          setup=_ckpt("i", 5, info={"step": float("inf"), "consumed_prompts": 0})),
     Case("sibling-step-infinity-does-not-block", ["run.name=j", "+resume=step_5", *SLURM, "submit=false"], 0, "",
          setup=lambda sb: (_ckpt("j", 5)(sb), _ckpt("j", 7, info={"step": float("inf"), "consumed_prompts": 0})(sb))),
@@ -155,6 +194,77 @@ CASES = [
          "grpo.max_num_steps: {root}/f/checkpoints/step_5 is at step 5: the run has done its 5 steps; to train on, "
          "resume with grpo.max_num_steps=N above 5", setup=_ckpt("f", 5)),
     Case("python-quote", ["slurm.python='/opt/py\"'", "submit=false", *SLURM], 2, "slurm.python: has an unbalanced"),
+    # 10: a checkpoint's records have a schema each (launcher/records.py) and agree with each other
+    *[Case(f"forged-info-{name}", ["run.name=r", "+resume=latest", *SLURM, "submit=false"], 2,
+           "resume: {root}/r/checkpoints/step_5/training_info.json: " + message,
+           setup=_ckpt("r", 5, info=info))
+      for name, info, message in [
+          ("negative-step", {"step": -5, "consumed_prompts": -1}, "step: must be an integer >= 0, got -5"),
+          ("negative-consumed", {"step": 5, "consumed_prompts": -1}, "consumed_prompts: must be an integer >= 0, got -1"),
+          ("step-string", {"step": "5", "consumed_prompts": 0}, "step: must be an integer, got str '5'"),
+          ("step-bool", {"step": True, "consumed_prompts": 0}, "step: must be an integer, got True"),
+          ("step-float", {"step": 5.5, "consumed_prompts": 0}, "step: must be an integer, got float 5.5"),
+          ("step-null", {"step": None, "consumed_prompts": 0}, "step: must not be null"),
+          ("no-consumed", {"step": 5}, "consumed_prompts: is missing"),
+          ("a-list", [5, 0], "must hold a JSON object, got list"),
+          ("metrics-text", {"step": 5, "consumed_prompts": 0, "metrics": {"train/reward": "high"}},
+           "metrics: 'train/reward' must be a finite number or a flag, got 'high'"),
+          ("metrics-list", {"step": 5, "consumed_prompts": 0, "metrics": [1]}, "metrics: must be an object, got list"),
+          ("other-step-than-folder", {"step": 7, "consumed_prompts": 0},
+           "step: 7, but the folder is step_5; the checkpoint's records disagree, not resumable"),
+      ]],
+    Case("trainer-state-at-another-step", ["run.name=t", "+resume=step_5", *SLURM, "submit=false"], 2,
+         "resume: {root}/t/checkpoints/step_5/training_info.json: step: 5, but the trainer state in "
+         "{root}/t/checkpoints/step_5/trainer is at step 2; the checkpoint's records disagree",
+         setup=_ckpt("t", 5, trainer_step=2)),
+    *[Case(f"forged-manifest-{name}", ["run.name=m", "+resume=latest", *SLURM, "submit=false"], 2,
+           "resume: {root}/m/checkpoints/step_5/manifest.json: " + message, setup=_ckpt("m", 5, manifest=forge))
+      for name, forge, message in [
+          ("negative-size", lambda m: m["files"]["training_info.json"].update(size=-1),
+           "files: entry 'training_info.json': size must be an integer >= 0, got -1"),
+          ("sha-not-hex", lambda m: m["files"]["training_info.json"].update(sha256="../../etc"),
+           "files: entry 'training_info.json': sha256 must be 64 lowercase hex digits"),
+          ("files-a-list", lambda m: m.update(files=["training_info.json"]), "files: must be an object, got list"),
+          ("no-files", lambda m: m.pop("files"), "files: is missing"),
+      ]],
+    *[Case(f"forged-config-{name}", ["run.name=y", "+resume=latest", *SLURM, "submit=false"], 2,
+           "resume: {root}/y/checkpoints/step_5/config.yaml: " + message,
+           setup=_ckpt("y", 5, files={"config.yaml": text}))
+      for name, text, message in [
+          ("python-tag", "peft: !!python/object/apply:os.system ['touch /tmp/i26-pwned']\n",
+           "not a config this launcher writes (could not determine a constructor for the tag"),
+          ("a-list", "- 1\n- 2\n", "must hold a YAML mapping of config sections, got a ListConfig"),
+          ("dim-text", "peft:\n  dim: big\n", "peft.dim: expected an integer, got 'big'"),
+          ("lr-negative", "optim:\n  lr: -1\n", "optim.lr: must be more than 0, got -1"),
+          ("lr-nan", "optim:\n  lr: .nan\n", "optim.lr: must be a finite number, got nan"),
+          ("unknown-key", "peft:\n  dimm: 8\n", "peft.dimm: unknown key"),
+          ("not-yaml", "peft: [\n", "not a config this launcher writes"),
+      ]],
+    # 11: submission checks what the run reads from model.path: config.json, safetensors weights, a tokenizer
+    *[Case(f"model-{name}", [f"model.path={{sandbox}}/models/{name}", *SLURM, "submit=false"], 2,
+           f"model.path: {{sandbox}}/models/{name}{message}", setup=_model(name, **kw))
+      for name, kw, message in [
+          ("only-config", {"drop": ("model.safetensors", "tokenizer.json")},
+           " has no weights: neither model.safetensors nor model.safetensors.index.json (an interrupted download?)"),
+          ("no-tokenizer", {"drop": ("tokenizer.json",)}, " has no tokenizer (tokenizer.json, tokenizer.model"),
+          ("cut-short", {"cut": "model.safetensors"}, "/model.safetensors: "),
+          ("bin-only", {"drop": ("model.safetensors",), "extra": {"pytorch_model.bin": "x"}},
+           " has no weights: neither model.safetensors nor model.safetensors.index.json (it has pytorch_model.bin"),
+          ("shard-missing", {"drop": ("model.safetensors",),
+                             "extra": {"model.safetensors.index.json": _index("model-00001-of-00002.safetensors",
+                                                                              "model-00002-of-00002.safetensors")}},
+           ": model-00001-of-00002.safetensors and 1 more of the 2 weight shards named in "
+           "model.safetensors.index.json missing"),
+          ("shard-outside", {"extra": {"model.safetensors.index.json": _index("../x.safetensors")}},
+           "/model.safetensors.index.json: weight_map names '../x.safetensors', not a .safetensors file"),
+          ("index-not-json", {"extra": {"model.safetensors.index.json": "{"}},
+           "/model.safetensors.index.json: not a safetensors index"),
+          ("weights-not-safetensors", {"extra": {"model.safetensors": "<html>404 Not Found</html>"}},
+           "/model.safetensors: its header says"),
+          ("config-a-list", {"extra": {"config.json": "[1]"}}, "/config.json must hold a JSON object, got list"),
+      ]],
+    Case("model-complete-passes", ["model.path={sandbox}/models/ok", *SLURM, "submit=false"], 0, "",
+         setup=_model("ok")),
 ]
 
 
@@ -179,7 +289,7 @@ def snapshot(*roots: Path) -> dict[str, str]:
 
 
 def argv_of(case: Case, sandbox: Path) -> list[str]:
-    argv = [a.replace(ROOT, str(sandbox / "runs")) for a in case.argv]
+    argv = [a.replace(ROOT, str(sandbox / "runs")).replace(SANDBOX, str(sandbox)) for a in case.argv]
     if not any(a.startswith("run.root=") for a in argv):
         argv.append(f"run.root={sandbox / 'runs'}")
     return argv
@@ -198,7 +308,7 @@ def test_hostile_input(case: Case, sandbox, capsys):
     if rc == 0:
         return
     lines = err.splitlines()
-    message = case.message.replace(ROOT, str(sandbox / "runs"))
+    message = case.message.replace(ROOT, str(sandbox / "runs")).replace(SANDBOX, str(sandbox))
     assert len(lines) == 1 and lines[0].startswith("error: " + message), err
     assert "Traceback" not in err
     if rc == 2:
@@ -312,8 +422,11 @@ def test_resume_from_an_older_step_starts_a_branch(sandbox, capsys):
     moved = (run / "abandoned" / branch.name / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in moved] == list(range(11, 21))
     # the branch writes step_13 with a worse reward than step_10: retention (keep_top_k=1) keeps both
+    from tests.helpers.checkpoints import trainer_state
+
     manager = CheckpointManager(run / "checkpoints", Checkpointing(keep_top_k=1))
     tmp = manager.begin(13)
+    trainer_state(tmp / "trainer", 13)
     manager.commit(tmp, 13, {"consumed_prompts": 0, "metrics": {"train/reward": 0.1}}, _config_yaml(*SLURM))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["abandoned", "step_10", "step_13"]
     cfg = typed(compose([*SLURM, f"run.root={sandbox / 'runs'}", "run.name=b", "+resume=step_10"]))
@@ -386,3 +499,45 @@ def test_a_requeue_after_the_last_step_runs_nothing(sandbox, monkeypatch, capsys
         assert json.loads((run / "ray" / "4242.1" / "done").read_text()) == {"ok": True, "error": None}
     else:
         assert out == {"node": "node2", "role": "worker", "joined": False}
+
+
+def test_the_job_checks_the_checkpoint_to_resume_before_ray(sandbox, monkeypatch, capsys):
+    """A checkpoint changed between the submission (which checked it) and the job's start: task 0
+    refuses it in one line naming the file and key before the Ray head starts, and writes `done`
+    so the other tasks end."""
+    from launcher.cluster import bootstrap
+    from launcher.config.schema import ConfigError
+    from tests.helpers.checkpoints import rewrite_manifest
+
+    _ckpt("g", 5)(sandbox)
+    run = sandbox / "runs" / "g"
+    assert cli.main([*SLURM, "submit=false", "run.name=g", f"run.root={sandbox / 'runs'}", "+resume=step_5",
+                     "grpo.max_num_steps=10"]) == 0
+    ckpt = run / "checkpoints" / "step_5"
+    (ckpt / "training_info.json").write_text(json.dumps({"step": 5, "consumed_prompts": -1}))
+    rewrite_manifest(ckpt)
+    for k, v in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4343", "SLURM_NTASKS": "3", "SLURM_JOB_NUM_NODES": "3",
+                 "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_RESTART_COUNT": "0", "SLURM_LOCALID": "0",
+                 "SLURM_NODEID": "0", "SLURM_PROCID": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(bootstrap, "run_head", lambda *a, **k: pytest.fail("the Ray head started"))
+    with pytest.raises(ConfigError) as e:
+        bootstrap.run_task(run)
+    assert str(e.value).startswith(f"resume: {ckpt}/training_info.json: consumed_prompts: must be an integer >= 0, "
+                                   f"got -1")
+    assert json.loads((run / "ray" / "4343.0" / "done").read_text())["ok"] is False
+
+
+def test_a_dry_run_notes_what_the_model_folder_lacks(sandbox, capsys):
+    """A folder with only config.json (an interrupted download): the dry run plans and notes it in
+    the submission's own words; the submission refuses it."""
+    _model("half", drop=("model.safetensors", "tokenizer.json"))(sandbox)
+    common = [*SLURM, f"run.root={sandbox / 'runs'}", f"model.path={sandbox / 'models' / 'half'}"]
+    assert cli.main(["dry_run=true", *common]) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert cli.main(["submit=false", *common]) == 2
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error == (f"error: model.path: {sandbox / 'models' / 'half'} has no weights: neither model.safetensors nor "
+                     f"model.safetensors.index.json (an interrupted download?)")
+    assert notes == [f"note: a submission from this machine would stop here: {error[len('error: '):]}"]
+    assert not (sandbox / "runs").exists()

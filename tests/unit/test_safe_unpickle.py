@@ -5,7 +5,7 @@ appear, via the exporter's CLI and via the resume check a submission runs."""
 
 from __future__ import annotations
 
-import io
+import builtins
 import json
 import os
 import pickle
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from launcher.config.schema import Checkpointing
-from launcher.driver.checkpoints import MANIFEST, CheckpointError, CheckpointManager, _files, verify
+from launcher.driver.checkpoints import MANIFEST, CheckpointError, CheckpointManager, verify
 from workers import safe_unpickle
 
 
@@ -30,12 +30,12 @@ class Payload:
 
 
 def real_dcp(directory: Path) -> None:
-    import torch.distributed.checkpoint as dcp
+    """A torch distributed checkpoint as megatron's torch_dist writes a trainer's: sharded tensors,
+    a bfloat16 one, and the common state object (tests/helpers/checkpoints.py)."""
+    from tests.helpers.checkpoints import trainer_state
 
-    state = {"decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight": torch.randn(2, 8, 128),
-             "optimizer.state.step": torch.tensor(3.0), "half": torch.zeros(4, dtype=torch.bfloat16),
-             "common_state": io.BytesIO(pickle.dumps({"trainer": {"step": 3}}))}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+    trainer_state(directory, 3, {"decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight": torch.randn(2, 8, 128),
+                                 "optimizer.state.step": torch.tensor(3.0), "half": torch.zeros(4, dtype=torch.bfloat16)})
 
 
 def forge(metadata: Path, marker: Path) -> None:
@@ -47,7 +47,9 @@ def forge(metadata: Path, marker: Path) -> None:
 
 def rewrite_manifest(ckpt: Path) -> None:
     """What anyone who can write the folder can do: a manifest that matches the forged files."""
-    (ckpt / MANIFEST).write_text(json.dumps({"files": _files(ckpt)}))
+    from tests.helpers.checkpoints import rewrite_manifest as rewrite
+
+    rewrite(ckpt)
 
 
 @pytest.fixture
@@ -142,7 +144,7 @@ def test_symlink_out_of_the_checkpoint_is_an_error(checkpoint, tmp_path):
 def test_infinite_step_is_one_clear_error(checkpoint):
     (checkpoint / "training_info.json").write_text('{"step": Infinity, "consumed_prompts": 0}')
     rewrite_manifest(checkpoint)
-    with pytest.raises(CheckpointError, match="not valid training info"):
+    with pytest.raises(CheckpointError, match="training_info.json: not valid JSON"):
         verify(checkpoint)
 
 
@@ -172,4 +174,171 @@ def test_the_lora_scan_reads_through_the_restricted_unpickler(checkpoint, tmp_pa
     forge(checkpoint / "trainer" / ".metadata", marker)
     with pytest.raises(LoraCheckpointError, match="refused to unpickle posix.system"):
         scan(checkpoint / "trainer")
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- what is refused
+# The allowlist is tested by what it refuses, not by one gadget: each of these pickles calls a
+# global that runs code, reads or writes files, imports or reaches other objects. Those marked
+# `live` write the marker file when unpickled with plain pickle (checked below, so the gadget is
+# real); the restricted unpickler must refuse each, naming the global, before anything runs.
+class Call:
+    """A pickled call `fn(*args)` (pickle stores `fn` by reference: module and name)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _code(marker: Path) -> str:
+    return f"open({str(marker)!r}, 'w').write('ran')"
+
+
+GADGETS = {  # name: (pickled object for a marker path, the global refused first, live)
+    "eval": (lambda m: Call(builtins.eval, _code(m)), "builtins.eval", True),
+    "exec": (lambda m: Call(builtins.exec, _code(m)), "builtins.exec", True),
+    "open": (lambda m: Call(builtins.open, str(m), "w"), "builtins.open", True),
+    "compile": (lambda m: Call(builtins.compile, _code(m), "<pickle>", "exec"), "builtins.compile", False),
+    "getattr": (lambda m: Call(builtins.getattr, Call(builtins.__import__, "os"), "system"), "builtins.getattr", False),
+    "__import__": (lambda m: Call(builtins.__import__, "os"), "builtins.__import__", False),
+    "setattr": (lambda m: Call(builtins.setattr, Call(builtins.__import__, "os"), "x", 1), "builtins.setattr", False),
+    "vars": (lambda m: Call(builtins.vars), "builtins.vars", False),
+    "globals": (lambda m: Call(builtins.globals), "builtins.globals", False),
+    "breakpoint": (lambda m: Call(builtins.breakpoint), "builtins.breakpoint", False),
+    "os.system": (lambda m: Payload(m), "posix.system", True),
+    "subprocess.Popen": (lambda m: Call(__import__("subprocess").Popen, ["touch", str(m)]), "subprocess.Popen", True),
+    "importlib.import_module": (lambda m: Call(__import__("importlib").import_module, "os"),
+                                "importlib.import_module", False),
+    "pickle.loads (nested)": (lambda m: Call(pickle.loads, pickle.dumps(Payload(m))), "_pickle.loads", True),
+    "torch.load": (lambda m: Call(torch.load, str(m)), "torch.serialization.load", False),
+    "functools.partial": (lambda m: Call(__import__("functools").partial, builtins.exec, _code(m)),
+                          "functools.partial", False),
+    "operator.methodcaller": (lambda m: Call(__import__("operator").methodcaller, "system", f"touch {m}"),
+                              "operator.methodcaller", False),
+    "codecs.decode": (lambda m: Call(__import__("codecs").decode, b"x", "hex"), "_codecs.decode", False),
+}
+
+
+def _pickles(obj) -> dict[str, bytes]:
+    """The same object at every protocol: GLOBAL (0-3) and STACK_GLOBAL (4-5) opcodes."""
+    return {f"protocol {p}": pickle.dumps(obj, protocol=p) for p in (0, 2, 4, 5)}
+
+
+@pytest.mark.parametrize("name", list(GADGETS))
+def test_the_restricted_unpickler_refuses(name, tmp_path):
+    make, refused, _ = GADGETS[name]
+    marker = tmp_path / "ran"
+    for protocol, data in _pickles(make(marker)).items():
+        with pytest.raises(safe_unpickle.Refused) as e:
+            safe_unpickle.loads(data)
+        # protocols 0-2 spell some globals the Python 2 way (fix_imports): __builtin__.eval, io.open
+        assert e.value.name == refused or e.value.name.rpartition(".")[2] == refused.rpartition(".")[2], \
+            (name, protocol, e.value.name)
+        assert str(e.value) == f"refused to unpickle {e.value.name} (not a checkpoint metadata class)"
+        assert not marker.exists(), (name, protocol)
+    assert safe_unpickle.Refused(*refused.rsplit(".", 1)).name == refused
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, live) in GADGETS.items() if live])
+def test_each_live_gadget_runs_under_plain_pickle(name, tmp_path):
+    """The gadgets are real: plain pickle.loads writes the marker (so the refusal above is what
+    keeps it from running, not a gadget that would do nothing)."""
+    import time
+
+    make, _, _ = GADGETS[name]
+    marker = tmp_path / "ran"
+    result = pickle.loads(pickle.dumps(make(marker)))
+    if hasattr(result, "wait"):  # subprocess.Popen
+        result.wait()
+    if hasattr(result, "close"):  # open(...)
+        result.close()
+    deadline = time.time() + 5
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("module,name", [
+    ("torch", "__builtins__"), ("torch", "load"), ("torch", "_C"), ("torch", "ops"), ("collections", "namedtuple"),
+    ("pathlib", "Path"), ("builtins", "object"), ("builtins", "type"), ("sys", "modules"), ("os", "environ"),
+    ("torch.distributed.checkpoint.metadata", "torch"), ("__main__", "Payload"),
+])
+def test_names_next_to_allowed_ones_are_refused(module, name):
+    """An allowed module does not admit its other names (torch admits dtypes and Size only)."""
+    data = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"."
+    with pytest.raises(safe_unpickle.Refused) as e:
+        safe_unpickle.loads(data)
+    assert e.value.name == f"{module}.{name}"
+
+
+def test_inst_and_obj_opcodes_go_through_the_same_check(tmp_path):
+    """Protocol 0's INST and protocol 1's OBJ build an instance from a class they name: the same
+    find_class, the same refusal."""
+    marker = tmp_path / "ran"
+    inst = b"(S'touch " + str(marker).encode() + b"'\nios\nsystem\n."
+    obj = b"(cos\nsystem\nS'touch " + str(marker).encode() + b"'\no."
+    for data in (inst, obj):
+        with pytest.raises(safe_unpickle.Refused, match="refused to unpickle os.system"):
+            safe_unpickle.loads(data)
+    assert not marker.exists()
+
+
+def test_allowed_globals_are_exactly_the_checkpoint_classes():
+    """Every name admitted is a class or function of checkpoint metadata: no builtin that runs
+    code or reaches other objects is in the list (the table above then cannot pass by luck)."""
+    assert safe_unpickle.ALLOWED["builtins"] == frozenset({"set", "frozenset", "slice", "complex"})
+    for module, names in safe_unpickle.ALLOWED.items():
+        assert not names & {"eval", "exec", "compile", "open", "getattr", "setattr", "__import__", "globals",
+                            "vars", "system", "load", "loads", "Popen", "partial", "import_module"}, module
+
+
+# ------------------------------------------------------------------ the bytes items of a DCP checkpoint
+
+
+def forge_common_state(trainer: Path, marker: Path) -> None:
+    """Rewrite the trainer state's common state (megatron's `common_state` bytes item, what
+    load_common_state_dict reads at every resume) as torch.save of an object that runs code."""
+    import io
+    import shutil
+
+    from tests.helpers.checkpoints import COMMON_STATE_KEY, save_like_megatron
+
+    shutil.rmtree(trainer)
+    common = io.BytesIO()
+    torch.save([{"trainer": {"step": 3}, "x": Payload(marker)}], common)
+    save_like_megatron({COMMON_STATE_KEY: common, "half": torch.zeros(4)}, trainer)
+
+
+def test_dcps_own_planner_runs_a_forged_common_state(checkpoint, tmp_path):
+    """The hole: DCP's DefaultLoadPlanner.load_bytes unpickles bytes items with weights_only=False,
+    so megatron's load_common_state_dict (every trainer rank at resume) ran the forged object.
+    Shown in a fresh process (this one has the restricted planner installed)."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    forge_common_state(checkpoint / "trainer", marker)
+    code = ("import io, torch.distributed.checkpoint as dcp\n"
+            "from torch.distributed.checkpoint import FileSystemReader\n"
+            f"box = {{'common_state/shard_0_1': io.BytesIO()}}\n"
+            f"dcp.load(box, storage_reader=FileSystemReader({str(checkpoint / 'trainer')!r}), no_dist=True)\n")
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", "from test_safe_unpickle import Payload\n" + code],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert marker.exists(), p.stderr[-2000:]
+
+
+def test_a_forged_common_state_is_refused_and_runs_nothing(checkpoint, tmp_path):
+    """With safe_unpickle installed (the driver's verify, the trainers, the exporter) bytes items
+    are read with torch.load(weights_only=True): refused, naming the global, nothing run."""
+    marker = tmp_path / "ran"
+    forge_common_state(checkpoint / "trainer", marker)
+    rewrite_manifest(checkpoint)
+    with pytest.raises(CheckpointError) as e:
+        verify(checkpoint)
+    assert str(e.value) == (f"{checkpoint / 'trainer'}: refused to unpickle posix.system (in the bytes item "
+                            f"common_state/shard_0_1: not plain checkpoint data); the checkpoint was not written by "
+                            f"this launcher, nothing was run")
     assert not marker.exists()

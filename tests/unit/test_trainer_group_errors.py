@@ -51,7 +51,7 @@ def test_the_driver_names_the_remote_method_and_its_exception(tmp_path):
 def test_a_collective_that_failed_with_a_peers_node_names_that_node(tmp_path):
     """A trainer rank's gloo/NCCL error when its peer's node went: the node's report is named too."""
     pytest.importorskip("ray")
-    from launcher.cluster.ray_node import write_json
+    from launcher.files import write_json
     from launcher.driver import failures
     from workers.trainer.group import TrainerGroupError
 

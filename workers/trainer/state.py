@@ -106,6 +106,80 @@ def load_state(directory: str, *, rank: int, module, optimizer, layout: dict, de
     return {"trainer": common["trainer"], "scheduler": common["scheduler"], "rng_restored": same_layout}
 
 
+# megatron-core's torch_dist format keeps the common (non-sharded) state as one object in the DCP:
+# ShardedObject("common_state", None, (1,), (0,)).unique_key, its bytes a torch.save([state]) (what
+# megatron.core.dist_checkpointing.load_common_state_dict reads)
+COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
+class SavedStateError(ValueError):
+    """A trainer checkpoint whose common state is missing or not what save_state writes (one line)."""
+
+
+def saved_trainer_info(directory: str) -> dict:
+    """The `trainer_info` save_state put in a checkpoint (step, layout, peft, has_optimizer_state),
+    read without megatron, a model or a process group, as megatron reads it: the DCP metadata
+    through workers.safe_unpickle, the object with torch.load(weights_only=True). The driver
+    compares its step with training_info.json's before anything starts."""
+    import io
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from workers import safe_unpickle
+
+    safe_unpickle.install()
+    reader = FileSystemReader(directory)
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise SavedStateError(f"{directory}: no trainer state (no torch distributed checkpoint .metadata)") from None
+    if COMMON_STATE_KEY not in metadata.state_dict_metadata:
+        raise SavedStateError(f"{directory}: the trainer state has no {COMMON_STATE_KEY} (not written by save_state)")
+    box = {COMMON_STATE_KEY: io.BytesIO()}
+    with warnings.catch_warnings():  # "torch.distributed ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load(box, storage_reader=FileSystemReader(directory), no_dist=True)
+        except safe_unpickle.Refused:
+            raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a reader's failure (a BaseException)
+            refused = _refusal(e)
+            if refused is not None:
+                raise refused from None
+            raise SavedStateError(f"{directory}: the trainer state is unreadable ({type(e).__name__})") from None
+    data = box[COMMON_STATE_KEY]  # [common], unpickled by the load planner (weights_only=True: safe_unpickle.install)
+    try:
+        info = data[0]["trainer"]
+        if not isinstance(info, dict) or not isinstance(info.get("step"), int) or isinstance(info["step"], bool):
+            raise TypeError
+    except Exception:  # noqa: BLE001 - a foreign or damaged object: one line
+        raise SavedStateError(f"{directory}: the trainer's common state is not what save_state writes (a trainer "
+                              f"dict with an integer step)") from None
+    return info
+
+
+def _refusal(e: BaseException):
+    """The safe_unpickle.Refused inside an exception DCP wrapped (its CheckpointException lists the
+    failures per rank), if any."""
+    from workers import safe_unpickle
+
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or x is None:
+            continue
+        seen.add(id(x))
+        if isinstance(x, safe_unpickle.Refused):
+            return x
+        todo += [x.__cause__, x.__context__]
+        for v in (getattr(x, "failures", None) or {}).values():  # {rank: (exception, traceback)}
+            todo += [w for w in (v if isinstance(v, tuple) else (v,)) if isinstance(w, BaseException)]
+    return None
+
+
 def save_rng(path: str, is_cpu: bool) -> None:
     """This rank's RNG states as plain tensors in a safetensors file: a checkpoint never holds
     pickled Python objects, so loading one cannot run code (a ShardedObject would be unpickled)."""

@@ -1,0 +1,71 @@
+"""The one wrapper every command of the launcher runs under, and its argument parser.
+
+`python -m launcher` (and its sweep, `-m`), `python -m launcher.export`, `python -m launcher.status`
+and `python -m launcher.stop` each parse their arguments and then check what they will read before
+they do anything (the config and its files; a checkpoint and its records; a run or sweep directory
+and its records): a user mistake found there is a `ConfigError` (a config key, an argument, or a
+record's file and key: launcher.records.RecordError), or one of the command's own error types.
+`run(main, argv, user_errors)` ends any of them the same way: one line `error: ...` on stderr and
+exit code 2, no traceback. Ctrl-C is exit code 130 without a traceback, and a reader that left
+(`... | head`) is not an error.
+
+`Parser` is argparse whose mistakes (an unknown option, a missing or malformed value) are such a
+one-line ConfigError naming the option, instead of argparse's usage block and exit code 2 of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, NoReturn, Sequence
+
+from launcher.config.schema import ConfigError
+
+
+class UsageError(ConfigError):
+    """A mistake in a command's arguments: `<option>: <what>; see <prog> --help`."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        key, sep, what = message.partition(": ")
+        if not (sep and key.startswith(("-", "argument "))):
+            key, what = self.prog, message
+        raise UsageError(key.removeprefix("argument "), f"{what}; see {self.prog} --help")
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"seconds (a number > 0), got {text!r}")
+    return value
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None,
+        user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """`main(argv)`, with every user mistake one line and exit code 2."""
+    try:
+        return main(argv)
+    except (ConfigError, *user_errors) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except BrokenPipeError:  # the reader of stdout left (`| head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -1,0 +1,266 @@
+"""Every record the launcher writes and later reads back, with its schema, checked where it is read.
+
+A record read back is input like any other: a checkpoint copied from a colleague, a run directory
+on a shared filesystem, a line edited by hand, a file cut short by a full disk. Each record has one
+schema here (the keys, their types and ranges); `load` / `load_lines` parse it (no NaN or
+Infinity: JSON has neither) and check it, and a failure is one `RecordError` naming the file (and
+line) and the key: a ConfigError, so every command ends it in one line with exit code 2, and the
+job meets it before Ray and the actors start. Rules that tie records together live with the
+reader that has them all (a checkpoint's step: its folder's N, its training_info.json and its
+trainer state agree, in `launcher.driver.checkpoints.verify`).
+
+The saved config.yaml (a run's and every checkpoint's) has the config's own schema:
+`load_config` reads it with the safe YAML loader (a python tag is refused, in one line), merges it
+into `launcher.config.schema.Config` (types, unknown keys) and checks every field's range
+(`launcher.config.ranges`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from launcher import paths
+from launcher.config.schema import ConfigError
+
+
+class RecordError(ConfigError):
+    """A record that is not what this launcher writes: `<file>: <key>: <what>`."""
+
+    def __init__(self, path: Path | str, key: str, what: str):
+        super().__init__(str(path), f"{key}: {what}" if key else what)
+        self.path = Path(path)
+        self.field = key
+
+
+Rule = Callable[[Any], "str | None"]   # what is wrong with a value, or None
+
+
+@dataclass(frozen=True)
+class Field:
+    types: tuple[type, ...]
+    required: bool = True
+    null: bool = False
+    rule: Rule | None = None
+
+    def error(self, value: Any) -> str | None:
+        if value is None:
+            return None if self.null else "must not be null"
+        if isinstance(value, bool) and bool not in self.types:
+            return f"must be {_words(self.types)}, got {value!r}"
+        if not isinstance(value, self.types):
+            return f"must be {_words(self.types)}, got {type(value).__name__} {_short(value)}"
+        return self.rule(value) if self.rule else None
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str                  # the file name (a pattern for node reports)
+    fields: dict[str, Field]
+
+    def check(self, obj: Any, where: str | Path) -> dict:
+        """`obj` if it has this record's schema; RecordError naming `where` and the key otherwise."""
+        if not isinstance(obj, dict):
+            raise RecordError(where, "", f"must hold a JSON object, got {type(obj).__name__}")
+        for key, f in self.fields.items():
+            if key not in obj:
+                if f.required:
+                    raise RecordError(where, key, "is missing")
+                continue
+            what = f.error(obj[key])
+            if what:
+                raise RecordError(where, key, what)
+        return obj
+
+
+# ------------------------------------------------------------------------------ field kinds
+def _words(types: tuple[type, ...]) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "an object",
+             list: "a list"}
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def count(at_most: int | None = None, required: bool = True, null: bool = False) -> Field:
+    """A whole number >= 0 (and <= at_most)."""
+    def rule(v: int) -> str | None:
+        if v < 0:
+            return f"must be an integer >= 0, got {v}"
+        if at_most is not None and v > at_most:
+            return f"must be at most {at_most}, got {v}"
+        return None
+    return Field((int,), required, null, rule)
+
+
+def number(required: bool = True) -> Field:
+    return Field((int, float), required, rule=lambda v: None if math.isfinite(v) else f"must be finite, got {v}")
+
+
+def text(required: bool = True, null: bool = False, one_line: bool = True) -> Field:
+    def rule(v: str) -> str | None:
+        if not v:
+            return "must not be empty"
+        if one_line and ("\n" in v or "\0" in v):
+            return f"must be one line, got {_short(v)}"
+        return None
+    return Field((str,), required, null, rule)
+
+
+def _port(v: int) -> str | None:
+    return None if 1 <= v <= 65535 else f"must be a port in [1, 65535], got {v}"
+
+
+def _ip(v: str) -> str | None:
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        return f"must be an IP address, got {_short(v)}"
+    return None
+
+
+def _metrics(v: dict) -> str | None:
+    """The step's numbers (what the driver keeps of a metrics row: numbers and flags)."""
+    for k, x in v.items():
+        if not isinstance(x, (int, float)) or not math.isfinite(x):
+            return f"{k!r} must be a finite number or a flag, got {_short(x)}"
+    return None
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _manifest_files(v: dict) -> str | None:
+    for rel, e in v.items():
+        if not isinstance(e, dict):
+            return f"entry {rel!r} must be an object with size and sha256, got {_short(e)}"
+        size, digest = e.get("size"), e.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"entry {rel!r}: size must be an integer >= 0, got {_short(size)}"
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            return f"entry {rel!r}: sha256 must be 64 lowercase hex digits, got {_short(digest)}"
+    return None
+
+
+def _strings(v: list) -> str | None:
+    bad = next((x for x in v if not isinstance(x, str)), None)
+    return None if bad is None else f"must be a list of strings, holds {_short(bad)}"
+
+
+def _run_name(v: str) -> str | None:
+    err = paths.run_name_error(v)
+    return None if err is None else err.message
+
+
+def _absolute(v: str) -> str | None:
+    return None if v.startswith("/") and "\0" not in v and "\n" not in v else f"must be an absolute path, got {_short(v)}"
+
+
+# ------------------------------------------------------------------------------ the records
+TRAINING_INFO = Record(paths.TRAINING_INFO, {
+    "step": count(), "consumed_prompts": count(),
+    "metrics": Field((dict,), required=False, rule=_metrics), "time": number(required=False)})
+MANIFEST = Record(paths.MANIFEST, {"files": Field((dict,), rule=_manifest_files)})
+HEAD = Record(paths.HEAD, {"ip": Field((str,), rule=_ip), "port": Field((int,), rule=_port), "host": text()})
+NODE_REPORT = Record(paths.NODE_REPORTS, {"node_index": count(4095), "host": text(), "reason": text(one_line=False),
+                                          "log": text()})
+DONE = Record(paths.DONE, {"ok": Field((bool,)), "error": text(required=False, null=True, one_line=False)})
+STOP_REQUEST = Record(paths.STOP_REQUEST, {"time": text(), "by": text()})
+STOPPED = Record(paths.STOPPED, {"time": text(), "job": text(), "step": count(null=True), "stopped": Field((bool,)),
+                                 "requested": Field((dict,))})
+SUBMISSION = Record(paths.SUBMISSIONS, {"time": text(), "job_id": Field((str, int), rule=lambda v: None if str(v).strip()
+                                                                          else "must not be empty"),
+                                        "argv": Field((list,), required=False, rule=_strings)})
+FAILURE = Record(paths.FAILURES, {"time": text(), "job": text(), "error": Field((str,))})
+SWEEP_POINT = Record(paths.SWEEP_RECORD, {
+    "point": count(), "overrides": Field((list,), rule=_strings), "swept": Field((dict,)),
+    "run_name": Field((str,), rule=_run_name), "run_dir": Field((str,), rule=_absolute),
+    "job_id": Field((str, int), null=True), "state": text(), "time": text()})
+
+
+# ------------------------------------------------------------------------------ reading
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse(data: str, where: str | Path) -> Any:
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise RecordError(where, "", f"not valid JSON ({str(e).splitlines()[0][:80]})") from None
+
+
+def load(path: Path, record: Record) -> dict:
+    """A whole-file JSON record, checked; RecordError naming the file and key."""
+    try:
+        data = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(path, "", f"unreadable ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    return record.check(_parse(data, path), path)
+
+
+def load_lines(path: Path, record: Record) -> list[dict]:
+    """The rows of a JSONL record (none if the file does not exist), each checked. A last line
+    without its newline is being written: skipped. Any other bad line is an error naming it."""
+    path = Path(path)
+    try:
+        data = path.read_text()
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(path, "", f"unreadable ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    lines = data.split("\n")
+    complete, partial = lines[:-1], lines[-1]
+    rows = []
+    for n, line in enumerate(complete, start=1):
+        if line.strip():
+            where = f"{path} line {n}"
+            rows.append(record.check(_parse(line, where), where))
+    del partial  # being written (an append in flight): its writer finishes it
+    return rows
+
+
+# ------------------------------------------------------------------------------ config.yaml
+def load_config(path: Path, typed: bool = False):
+    """A saved config.yaml: the DictConfig (`typed`: the schema.Config) after the safe YAML
+    loader, the schema's types and every field's range; RecordError naming the file and key."""
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from launcher.config import ranges
+    from launcher.config.schema import typed as to_typed
+
+    path = Path(path)
+    if not path.is_file():
+        raise RecordError(path, "", "no resolved config here (is this a run directory or a checkpoint?)")
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecordError(path, "", f"not a config this launcher writes ({problem}{at}; it is read with the safe "
+                                    f"YAML loader)") from None
+    except (OSError, UnicodeDecodeError, OmegaConfBaseException) as e:
+        raise RecordError(path, "", f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:80]})") from None
+    if not isinstance(raw, DictConfig):
+        raise RecordError(path, "", f"must hold a YAML mapping of config sections, got a {type(raw).__name__}")
+    try:
+        cfg = to_typed(raw)
+    except ConfigError as e:
+        raise RecordError(path, e.key, e.message) from None
+    except OmegaConfBaseException as e:  # an interpolation that does not resolve, ...
+        raise RecordError(path, str(getattr(e, "full_key", "") or ""), str(e).splitlines()[0]) from None
+    errors = ranges.check(cfg)
+    if errors:
+        raise RecordError(path, errors[0].key, errors[0].message)
+    return cfg if typed else raw
