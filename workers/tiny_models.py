@@ -75,12 +75,8 @@ def _hf_config(recipe: dict, vocab_size: int, tokenizer):
         return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=True,
                                            decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                                            router_aux_loss_coef=0.001, **common, **r)
-    if family == "nemotron_h":
-        pattern = r.pop("hybrid_override_pattern")
-        return transformers.NemotronHConfig(
-            num_hidden_layers=len(pattern), hybrid_override_pattern=pattern,
-            mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=16,
-            use_mamba_kernels=False, layer_norm_epsilon=1e-5, **common, **r)
+    if family == "nemotron_h":  # the recipe names its layer pattern, Mamba sizes and experts
+        return transformers.NemotronHConfig(layer_norm_epsilon=1e-5, **common, **r)
     raise ValueError(f"unknown model family {family!r}")
 
 
@@ -113,7 +109,11 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
             elif "norm" in name and "weight" in name:
                 p.uniform_(0.8, 1.2)  # non-trivial norms expose a wrong weight mapping
             elif name.endswith("bias"):
-                p.normal_(0.0, 0.05)
+                p.normal_(0.0, 0.05)  # Nemotron-H: the router's expert bias too (e_score_correction_bias)
+            elif name.endswith("A_log"):  # Mamba decay rates exp(A_log) in [1, 8], one per head
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1.0, 8.0)))
+            elif name.endswith(".D"):  # Mamba skip connection, one per head
+                p.uniform_(0.5, 1.5)
     model.eval().save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "tiny_model.json").write_text(json.dumps(stamp, indent=1))
