@@ -90,6 +90,13 @@ def test_nemotron_h_recipes_are_valid(overrides):
     assert errors(*overrides) == []
 
 
+def test_the_reference_topologys_placement_smoke_stand_in_is_a_valid_nemotron_h():
+    from tests.slurm.test_ultra_placement import STAND_IN
+
+    assert "model=tiny_nemotron_h" in STAND_IN
+    assert errors("topology=ultra_6n4g", "run.job=placement_smoke", *STAND_IN) == []
+
+
 def test_tensor_parallel_must_divide_the_mamba_heads_and_groups(tmp_path):
     """Megatron's Mamba mixer gives each TP rank whole heads and whole groups (as it asserts)."""
     odd = {**NANO_30B, "hybrid_override_pattern": "M*-", "num_hidden_layers": 3, "num_key_value_heads": 8,

@@ -52,6 +52,7 @@ def apply(device: str) -> list[str]:
     megatron.bridge_no_te()
     megatron.moe_dispatcher()
     megatron.torch_norm_sequence_parallel()
+    megatron.linear_tp_size()
     megatron.hybrid_final_norm()
     return list(APPLIED)
 

@@ -32,6 +32,10 @@
                     `sequence_parallel=True` the way Apex/TE norms tag theirs, so
                     finalize_model_grads sums their per-sequence-shard grads over TP (loss and grad
                     norm then equal TP=1's).
+  linear_tp_size    Megatron-Bridge's LoRA reads `tp_size` from the Mamba in_proj it wraps when it
+                    checkpoints the adapter (adapter_wrapper._compute_mamba_dim_info): an attribute
+                    of Transformer Engine's linears that megatron's Column/RowParallelLinear (the
+                    local spec's) lack. They get it as a read-only property, their tp_group's size.
   hybrid_final_norm megatron/core/models/hybrid/hybrid_block.py builds the hybrid (Mamba) stack's
                     final norm as TENorm whatever the layer spec says; without Transformer Engine
                     that is a placeholder, so it becomes megatron's WrappedTorchNorm (the norm the
@@ -237,3 +241,14 @@ def hybrid_final_norm() -> None:
 
     hybrid_block.TENorm = WrappedTorchNorm  # only its final_norm reads this module-level name
     once("hybrid_final_norm")
+
+
+def linear_tp_size() -> None:
+    if "linear_tp_size" in APPLIED:
+        return
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        if not hasattr(cls, "tp_size"):
+            cls.tp_size = property(lambda self: self.tp_group.size())
+    once("linear_tp_size")

@@ -144,15 +144,16 @@ def _joined_in_proj_parts(state: dict[str, Any]) -> dict[str, Any]:
 
 def _per_layer(key: str, tensor) -> dict[str, Any]:
     """One stored entry -> {Megatron parameter name: 2-D factor}, unstacking a leading layer axis."""
-    if _LAYER_INDEX.search(key) or "layers." not in key:
+    per_layer = bool(_LAYER_INDEX.search(key)) or "layers." not in key  # hybrid stacks key each layer
+    if tensor.dim() != (2 if per_layer else 3) and ".experts." in key:  # expert adapters carry an expert axis
+        raise LoraCheckpointError(f"{key}: the checkpoint has LoRA on MoE experts, which the PEFT exporter does "
+                                  f"not write yet (docs/moe.md); adapters on attention export (peft.target_modules"
+                                  f"=[linear_qkv, linear_proj])")
+    if per_layer:
         if tensor.dim() != 2:
             raise LoraCheckpointError(f"{key}: shape {tuple(tensor.shape)} is not a 2-D LoRA factor")
         return {key: tensor}
-    if tensor.dim() != 3:  # e.g. expert adapters carry more leading axes
-        if ".experts." in key:
-            raise LoraCheckpointError(f"{key}: the checkpoint has LoRA on MoE experts, which the PEFT exporter does "
-                                      f"not write yet (docs/moe.md); adapters on attention export (peft.target_modules"
-                                      f"=[linear_qkv, linear_proj])")
+    if tensor.dim() != 3:
         raise LoraCheckpointError(f"{key}: shape {tuple(tensor.shape)} is not [layers, rows, cols] "
                                   "(only dense-layer LoRA can be exported)")
     head, tail = key.split("layers.", 1)

@@ -92,12 +92,25 @@ def export_adapter(trainer_dir: Path, out: str | Path, base: Path, *, family: st
     groups = [_spelled_as_base(g, layout.family, base, shapes) for g in hf_groups]
 
     out = Path(out).expanduser()
-    peft.write_peft_adapter(out, groups, dim, alpha, base_model_name_or_path=str(base))
+    peft.write_peft_adapter(out, groups, dim, alpha, base_model_name_or_path=str(base),
+                            exclude_modules=_not_in_adapter(groups, shapes))
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     hf_modules = sum(len(g.hf_modules) for g in groups)
     return AdapterExport(out=out.resolve(), megatron_modules=len(groups), hf_modules=hf_modules,
                          tensors=2 * hf_modules, target_modules=adapter_config["target_modules"],
                          bytes_read=bytes_read, checkpoint_bytes=found.total_bytes, skipped=found.skipped)
+
+
+def _not_in_adapter(groups, shapes: dict[str, list[int]]) -> list[str]:
+    """Linears of the base that the adapter's target_modules (last name parts) also name but the adapter
+    has no factors for (Nemotron-H: a shared expert's up_proj next to an MLP layer's), spelled from
+    `layers.` on so that PEFT's suffix match finds them under `backbone.` and `model.` alike."""
+    held = {m for g in groups for m in g.hf_modules}
+    suffixes = {m.rsplit(".", 1)[-1] for m in held}
+    others = {name[: -len(".weight")] for name, shape in shapes.items()
+              if name.endswith(".weight") and len(shape) == 2} - held
+    return sorted(m[m.find("layers."):] if "layers." in m else m
+                  for m in others if m.rsplit(".", 1)[-1] in suffixes)
 
 
 def _refuse_not_in_peft(factors, family: str, config_file: Path) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from workers import cpu_shim
+from workers.trainer import bridge_fixes
 from workers.trainer.config import ParallelConfig, PeftConfig, TrainerConfig
 
 
@@ -85,6 +86,7 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     from megatron.core.utils import get_model_config
 
     p, is_cpu = cfg.parallel, cpu_shim.is_cpu(cfg.device)
+    bridge_fixes.apply()  # Megatron-Bridge defects (Mamba in_proj LoRA in the merged export)
     dtype = torch_dtype(cfg.dtype) or torch.float32
     bridge = AutoBridge.from_hf_pretrained(cfg.model_path)  # no dtype=: it leaks into the tokenizer
     provider = bridge.to_megatron_provider(load_weights=True)
