@@ -87,7 +87,7 @@ def test_cpu_shim_patches_only_what_it_says():
     # sequence parallel: the torch norm builds, tags its weights for the TP grad all-reduce, keeps the config
     assert out["norms"] == {"False": ["RMSNorm", None, False], "True": ["RMSNorm", True, True]}
     # the hybrid stack's final norm, and TE's tp_size on megatron's linears
-    assert {"mamba_ssm", "hybrid_final_norm", "linear_tp_size"} <= set(out["cpu_applied"])
+    assert {"mamba_ssm", "hybrid_final_norm", "linear_tp_size", "no_jit_fuser"} <= set(out["cpu_applied"])
     assert out["hybrid_final_norm"] == "WrappedTorchNorm" and out["linear_tp_size"]
 
 
@@ -106,6 +106,8 @@ except ImportError:
     out["outside_megatron"] = "ImportError"
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 out["transformers_scan"] = hf.mamba2_chunk_scan.__module__
+from megatron.core.activations import squared_relu  # Nemotron-H's activation: a plain function, not compiled
+out["squared_relu_compiled"] = hasattr(squared_relu, "_torchdynamo_orig_callable")
 print(json.dumps(out))
 """
 
@@ -118,3 +120,4 @@ def test_megatrons_mamba_mixer_gets_the_stand_in_and_nobody_else_does():
     assert out["mixer"] == [True] + ["workers.cpu_shim.mamba"] * 3
     assert out["outside_megatron"] == "ImportError"
     assert out["transformers_scan"].startswith("transformers.")  # its own torch path, not our stand-in
+    assert out["squared_relu_compiled"] is False  # megatron's jit_fuser (torch.compile) is off on CPU

@@ -48,6 +48,7 @@ def apply(device: str) -> list[str]:
     torch_cuda.current_device()
     torch_cuda.cuda_sync()
     megatron.import_stubs(triton=True, mamba_ssm=True)  # before anything imports megatron's Mamba mixer
+    megatron.no_jit_fuser()  # before megatron.core.activations is imported
     megatron.causal_mask()
     megatron.bridge_no_te()
     megatron.moe_dispatcher()

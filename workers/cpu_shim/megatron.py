@@ -14,6 +14,13 @@
                     `mamba_ssm` itself and must keep its own torch path. Installed before anything
                     imports megatron's mixer, which binds the names at import time (importing
                     megatron.bridge imports it, through the hybrid layer specs).
+  no_jit_fuser      megatron's `jit_fuser` (torch.compile) becomes a no-op decorator before the modules
+                    that use it are imported (megatron.core.activations.squared_relu: Nemotron-H's MLP
+                    and expert activation). On CPU inductor compiles C++ at first use in every process,
+                    again for each new batch shape until dynamo's recompile limit (then it warns and
+                    runs eagerly anyway): measured on tiny_nemotron_h, the first logprobs calls took
+                    12 s instead of 0.3 s, with the same logprobs. (The fused kernels it also wraps are
+                    off on CPU: workers.trainer.build.)
   causal_mask       megatron.core.transformer.utils.get_default_causal_mask builds its mask on
                     "cuda"; replaced (also where it was imported by name) by a CPU version.
   bridge_no_te      megatron.bridge.peft.utils.HAVE_TE := False. Without TE, megatron-core's TE
@@ -161,6 +168,15 @@ def _import(name, globals=None, locals=None, fromlist=(), level=0):
 
 
 # ------------------------------------------------------------------------------------------ patches
+
+
+def no_jit_fuser() -> None:
+    if "no_jit_fuser" in APPLIED:
+        return
+    import megatron.core.jit as jit
+
+    jit.disable_jit_fuser()  # read by `from megatron.core.jit import jit_fuser` in modules imported later
+    once("no_jit_fuser")
 
 
 def causal_mask() -> None:
