@@ -10,7 +10,8 @@ back, and at its own layout bitwise; every refit mode to vLLM gives gen_kl_error
 prompt longer than vLLM's Mamba block, and merged and merged_delta give vLLM the same weights; the
 exported PEFT adapter attaches fully to transformers' model, reproduces the trainer and is served
 by `workers.generator.serve` with the exporter's hint; LoRA on a Mamba out_proj (which PEFT refuses)
-trains and refits exactly at EP2 while its export is refused in one line. Last, the dense recipe.
+trains and refits exactly at EP2 while its export is refused in one line. Last, the dense recipe,
+and in bfloat16 the expert bias stays float32 and as loaded.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ SLOT = {"resources": {"generation_slot": 1}, "num_cpus": 0.5}
 LONG_PROMPT = 150  # vLLM's Mamba block is 128 tokens with prefix caching (cpu_shim turns it off for hybrids)
 
 
-def make_group(model_dir, tp=1, ep=1, peft=LORA):
+def make_group(model_dir, tp=1, ep=1, peft=LORA, dtype="float32"):
     from workers.trainer.config import TrainerConfig
     from workers.trainer.group import TrainerGroup
 
     parallel = {"tensor_parallel": tp, "expert_parallel": ep, "sequence_parallel": tp > 1}
     config = TrainerConfig.from_sections(str(model_dir), parallel=parallel, peft=peft, optim=OPTIM, seed=11,
-                                         max_num_steps=20)
+                                         max_num_steps=20, dtype=dtype)
     return TrainerGroup(config, num_ranks=max(tp, ep), actor_cls=ProbedTrainer)
 
 
@@ -337,5 +338,22 @@ def test_the_dense_recipe_matches_hf(local_ray, tiny_model, batch, tmp_path):
         assert not any("expert" in n or "gate" in n for n in merged)
         assert_close(group.logprobs(batch), token_logprobs(hf_model(model_dir, merged, tmp_path),
                                                            batch["input_ids"]), "dense hybrid vs HF")
+    finally:
+        group.shutdown()
+
+
+def test_in_bfloat16_the_expert_bias_stays_float32_and_as_loaded(local_ray, model_dir, batch):
+    """bf16 wraps the model in Float16Module, which would round the router's float32 expert bias
+    (vLLM keeps it float32): it stays float32, equal to the checkpoint's, through a LoRA step."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        saved = f.get_tensor("backbone.layers.2.mixer.gate.e_score_correction_bias")
+    assert saved.dtype == torch.float32 and not torch.equal(saved, saved.bfloat16().float())  # bf16 would change it
+    group = make_group(model_dir, dtype="bfloat16")
+    try:
+        group.train(with_prev(group, batch))
+        (bias,) = group.call("expert_biases")[0].values()
+        assert bias.dtype == torch.float32 and torch.equal(bias, saved)
     finally:
         group.shutdown()

@@ -107,8 +107,10 @@ def _not_in_adapter(groups, shapes: dict[str, list[int]]) -> list[str]:
     `layers.` on so that PEFT's suffix match finds them under `backbone.` and `model.` alike."""
     held = {m for g in groups for m in g.hf_modules}
     suffixes = {m.rsplit(".", 1)[-1] for m in held}
+    # routed experts (`.experts.N.` on disk) are one fused parameter per layer in transformers 5, not
+    # Linear modules PEFT could wrap (naming them only makes PEFT warn that nothing was excluded)
     others = {name[: -len(".weight")] for name, shape in shapes.items()
-              if name.endswith(".weight") and len(shape) == 2} - held
+              if name.endswith(".weight") and len(shape) == 2 and ".experts." not in name} - held
     return sorted(m[m.find("layers."):] if "layers." in m else m
                   for m in others if m.rsplit(".", 1)[-1] in suffixes)
 
