@@ -21,6 +21,10 @@ Where Megatron-Bridge is not installed (a laptop planning a cluster run), (a) is
 
 Robust reading: a config.json that is not a JSON object, a missing key or a value of the wrong
 type is one ConfigError naming the file and the key.
+
+Hybrid models (Nemotron-H) have more facts, `hybrid_facts` (at the end of this module): the layer
+pattern (which also counts the layers, and has experts only where it has E layers), Mamba heads,
+groups and state, shared experts. Validation reads them from the checkpoint or the built-in recipe.
 """
 
 from __future__ import annotations
