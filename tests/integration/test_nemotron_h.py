@@ -11,7 +11,7 @@ prompt longer than vLLM's Mamba block, and merged and merged_delta give vLLM the
 exported PEFT adapter attaches fully to transformers' model, reproduces the trainer and is served
 by `workers.generator.serve` with the exporter's hint; LoRA on a Mamba out_proj (which PEFT refuses)
 trains and refits exactly at EP2 while its export is refused in one line. Last, the dense recipe,
-and in bfloat16 the expert bias stays float32 and as loaded.
+and in bfloat16 the expert bias stays float32 and as loaded; full fine-tuning moves it and checkpoints it.
 """
 
 from __future__ import annotations
@@ -355,5 +355,23 @@ def test_in_bfloat16_the_expert_bias_stays_float32_and_as_loaded(local_ray, mode
         group.train(with_prev(group, batch))
         (bias,) = group.call("expert_biases")[0].values()
         assert bias.dtype == torch.float32 and torch.equal(bias, saved)
+    finally:
+        group.shutdown()
+
+
+def test_full_fine_tuning_moves_the_expert_bias_and_checkpoints_it(local_ray, model_dir, batch, tmp_path):
+    """Without LoRA (and without peft.freeze_moe_router) megatron updates the bias every step, as in
+    pretraining: then a checkpoint holds it, and a resume restores it."""
+    group = make_group(model_dir, peft={**LORA, "enabled": False, "target_modules": [], "dim": 0})
+    try:
+        (before,) = group.call("expert_biases")[0].values()
+        group.train(with_prev(group, batch))
+        (saved,) = group.call("expert_biases")[0].values()
+        assert not torch.equal(saved, before)  # it moved (megatron's update rate: 1e-3 per step)
+        group.save_state(tmp_path / "ckpt")
+        group.train(with_prev(group, batch))
+        group.load_state(tmp_path / "ckpt")
+        (restored,) = group.call("expert_biases")[0].values()
+        assert torch.equal(restored, saved)
     finally:
         group.shutdown()
