@@ -75,25 +75,23 @@ def _hf_config(recipe: dict, vocab_size: int, tokenizer):
         return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=True,
                                            decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                                            router_aux_loss_coef=0.001, **common, **r)
-    if family == "nemotron_h":
-        pattern = r.pop("hybrid_override_pattern")
-        return transformers.NemotronHConfig(
-            num_hidden_layers=len(pattern), hybrid_override_pattern=pattern,
-            mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=16,
-            use_mamba_kernels=False, layer_norm_epsilon=1e-5, **common, **r)
+    if family == "nemotron_h":  # the recipe names its layer pattern, Mamba sizes and experts
+        return transformers.NemotronHConfig(layer_norm_epsilon=1e-5, **common, **r)
     raise ValueError(f"unknown model family {family!r}")
 
 
 def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_std: float = 0.08,
-          chat: bool = False) -> Path:
+          chat: bool = False, spec: dict | None = None) -> Path:
     """Write a random-weight HF checkpoint + tokenizer for `recipe` into out_dir; return it.
 
+    `spec`: architecture numbers in place of the recipe's (same keys; tests build fixtures so).
     Idempotent: an existing complete directory built from the same recipe and seed is reused.
     Written into a temporary sibling and renamed, so concurrent builders never see half a model.
     """
     transformers.utils.logging.disable_progress_bar()
     out = Path(out_dir)
-    stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": BUILTIN_MODELS[recipe]}
+    spec = dict(spec or BUILTIN_MODELS[recipe])
+    stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": spec}
     if chat:
         stamp["chat"] = True  # a ChatML tokenizer (make_tokenizer(chat=True))
     if (out / "tiny_model.json").exists() and json.loads((out / "tiny_model.json").read_text()) == stamp:
@@ -101,7 +99,6 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tokenizer = make_tokenizer(chat)
-    spec = BUILTIN_MODELS[recipe]
     vocab_size = max(spec.get("vocab_size", 0), len(tokenizer))
     cfg = _hf_config(spec, vocab_size, tokenizer)
     torch.manual_seed(seed)
@@ -114,6 +111,13 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
                 p.uniform_(0.8, 1.2)  # non-trivial norms expose a wrong weight mapping
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.05)
+            elif name.endswith("A_log"):  # Mamba decay rates exp(A_log) in [1, 8], one per head
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1.0, 8.0)))
+            elif name.endswith(".D"):  # Mamba skip connection, one per head
+                p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # Nemotron-H router's expert bias (a buffer)
+                b.normal_(0.0, 0.05)
     model.eval().save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "tiny_model.json").write_text(json.dumps(stamp, indent=1))

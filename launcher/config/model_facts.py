@@ -21,6 +21,10 @@ Where Megatron-Bridge is not installed (a laptop planning a cluster run), (a) is
 
 Robust reading: a config.json that is not a JSON object, a missing key or a value of the wrong
 type is one ConfigError naming the file and the key.
+
+Hybrid models (Nemotron-H) have more facts, `hybrid_facts` (at the end of this module): the layer
+pattern (which also counts the layers, and has experts only where it has E layers), Mamba heads,
+groups and state, shared experts. Validation reads them from the checkpoint or the built-in recipe.
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
                                         f"num_attention_heads {heads}")
     experts = reader.first_count(EXPERT_KEYS)
     topk = reader.first_count(TOPK_KEYS) if experts else 0
+    hybrid = hybrid_facts(hf, cfg_file)
+    if hybrid is not None:  # experts exist only where its layer pattern has E layers
+        experts, topk = hybrid.num_experts, hybrid.moe_router_topk
     if experts and not 1 <= topk <= experts:
         raise ConfigError("model.path", f"{cfg_file}: an MoE model needs num_experts_per_tok in "
                                         f"[1, {experts}], got {topk}")
@@ -91,6 +98,8 @@ def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
     blocks = hf.get("layers_block_type")
     layers = (len(blocks) if isinstance(blocks, list) and blocks and hf.get("num_hidden_layers") is None
               else reader.positive("num_hidden_layers"))
+    if hybrid is not None:  # its pattern counts the layers
+        layers = len(hybrid.pattern)
     facts = ModelFacts(family=family, num_layers=layers, hidden_size=hidden,
                        num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
                        num_experts=experts, moe_router_topk=topk)
@@ -264,3 +273,74 @@ def apply(raw: Any) -> list[str]:
                 differ.append(f"{key}={value} (conf: {conf})")
             model[key] = value
     return [f"model: {where} says {', '.join(differ)}; using the checkpoint's numbers"] if differ else []
+
+
+# ------------------------------------------------------------------------------------------
+# hybrid (Nemotron-H) facts: the layer pattern, Mamba sizes, experts
+
+
+# Layer kinds of a hybrid pattern (megatron's symbols, Nemotron-H's hybrid_override_pattern), and the
+# names transformers 5 writes in layers_block_type instead (with their older spellings)
+HYBRID_SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
+_BLOCK_SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
+                  "moe": "E"}
+
+
+@dataclass(frozen=True)
+class HybridFacts:
+    pattern: str               # one symbol per layer (HYBRID_SYMBOLS), e.g. "M*EM*-"
+    mamba_num_heads: int
+    mamba_head_dim: int
+    mamba_num_groups: int      # n_groups: B and C are shared by the heads of a group
+    mamba_state_dim: int
+    num_experts: int           # routed experts of each E layer; 0 without E layers
+    moe_router_topk: int
+    num_shared_experts: int
+
+
+def hybrid_pattern(hf: dict, cfg_file: Path | str = "config.json") -> Optional[str]:
+    """A hybrid checkpoint's layer pattern: `hybrid_override_pattern` (published Nemotron-H configs) or
+    `layers_block_type` (as transformers 5 writes them); None for other models. ConfigError when
+    malformed."""
+    reader = _Reader(hf, Path(cfg_file))
+    pattern, blocks = hf.get("hybrid_override_pattern"), hf.get("layers_block_type")
+    if pattern is not None:
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
+            raise reader._error("hybrid_override_pattern", f"must be a string of {''.join(HYBRID_SYMBOLS)} "
+                                                           f"(one per layer), got {pattern!r}")
+        return pattern
+    if blocks is None or hf.get("model_type") != "nemotron_h":
+        return None
+    if not isinstance(blocks, list) or not blocks or not all(b in _BLOCK_SYMBOLS for b in blocks):
+        raise reader._error("layers_block_type", f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, "
+                                                 f"got {blocks!r}")
+    return "".join(_BLOCK_SYMBOLS[b] for b in blocks)
+
+
+def hybrid_facts(hf: dict, cfg_file: Path | str = "config.json") -> Optional[HybridFacts]:
+    """The hybrid facts of a config.json's content (or of a built-in recipe: its keys are HF's); None
+    for a model without a hybrid layer pattern."""
+    pattern = hybrid_pattern(hf, cfg_file)
+    if pattern is None:
+        return None
+    reader = _Reader(hf, Path(cfg_file))
+    heads = reader.positive("mamba_num_heads") if "M" in pattern else 0
+    groups = reader.positive("n_groups", default=1) if heads else 0
+    if heads and heads % groups:
+        raise reader._error("n_groups", f"{groups} must divide mamba_num_heads {heads}")
+    experts = reader.first_count(EXPERT_KEYS) if "E" in pattern else 0
+    topk = reader.first_count(TOPK_KEYS) if experts else 0
+    if "E" in pattern and not 1 <= topk <= experts:
+        raise reader._error("num_experts_per_tok", f"must be in [1, n_routed_experts = {experts}] for the E layers "
+                                                   f"of {pattern!r}, got {topk}")
+    return HybridFacts(pattern=pattern, mamba_num_heads=heads,
+                       mamba_head_dim=reader.positive("mamba_head_dim") if heads else 0,
+                       mamba_num_groups=groups, mamba_state_dim=reader.positive("ssm_state_size") if heads else 0,
+                       num_experts=experts, moe_router_topk=topk,
+                       num_shared_experts=reader.first_count(("n_shared_experts",)) if experts else 0)
+
+
+def hybrid_facts_of(path: str | Path) -> Optional[HybridFacts]:
+    """hybrid_facts of the checkpoint directory `path` (its config.json; read() has checked it)."""
+    cfg_file = Path(path) / "config.json"
+    return hybrid_facts(json.loads(cfg_file.read_text()), cfg_file)

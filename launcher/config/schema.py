@@ -72,10 +72,20 @@ LORA_MODULES: dict[str, tuple[str, ...]] = {
     "qwen3_moe": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.experts.linear_fc1",
                   "mlp.experts.linear_fc2", "mlp.experts.local_experts.*.linear_fc1",
                   "mlp.experts.local_experts.*.linear_fc2"),
+    # hybrid: attention (* layers), MLP (-), Mamba-2 in/out projections (M), routed and shared experts (E)
     "nemotron_h": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
-                   "mixer.in_proj", "mixer.out_proj"),
+                   "mixer.in_proj", "mixer.out_proj", "mlp.experts.linear_fc1", "mlp.experts.linear_fc2",
+                   "mlp.experts.local_experts.*.linear_fc1", "mlp.experts.local_experts.*.linear_fc2",
+                   "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"),
 }
 FAMILIES = tuple(LORA_MODULES)
+
+# LoRA modules an HF PEFT adapter cannot hold, per family, and why: the adapter exporter and
+# refit.mode=adapter (which serves a PEFT adapter) refuse them; the merged refit modes take them.
+LORA_NOT_IN_PEFT: dict[str, dict[str, str]] = {
+    "nemotron_h": {"mixer.out_proj": "PEFT refuses LoRA on a Mamba layer's out_proj for nemotron_h "
+                                     "(peft.tuners.tuners_utils._check_lora_target_modules_mamba)"},
+}
 
 # Built-in models (`model.builtin`, used when model.path is null): architecture numbers per recipe,
 # built locally with random weights by workers.tiny_models. heads * head_dim need not equal hidden
@@ -95,10 +105,20 @@ BUILTIN_MODELS: dict[str, dict] = {
     # about 100M parameters, for the refit benchmark
     "llama_100m": dict(family="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                        num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=4096),
-    # Nemotron-H family (transformers' NemotronHForCausalLM): M = Mamba2, * = attention, - = MLP
+    # Nemotron-H family (transformers' NemotronHForCausalLM): M = Mamba-2, * = attention, - = MLP,
+    # E = MoE (4 routed relu2 experts, top-2, sigmoid router with an expert bias, + 1 shared expert).
+    # Mamba: 8 heads x 16 in 2 groups, state 16, chunk 16 (TP2 and EP2 divide them all)
     "tiny_nemotron_h": dict(family="nemotron_h", hidden_size=128, intermediate_size=256,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=48,
-                            hybrid_override_pattern="M*-*-"),
+                            hybrid_override_pattern="M*EM*-", mamba_num_heads=8, mamba_head_dim=16,
+                            ssm_state_size=16, n_groups=2, chunk_size=16, n_routed_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=64,
+                            moe_shared_expert_intermediate_size=64, n_shared_experts=1),
+    # the same without MoE layers
+    "tiny_nemotron_h_dense": dict(family="nemotron_h", hidden_size=128, intermediate_size=256,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                                  hybrid_override_pattern="M*-M*-", mamba_num_heads=8, mamba_head_dim=16,
+                                  ssm_state_size=16, n_groups=2, chunk_size=16),
     # Qwen3: q/k RMSNorm per head
     "tiny_qwen3": dict(family="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),

@@ -15,8 +15,8 @@ from launcher import plan as plan_mod
 from launcher.config import model_facts, model_files
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
-from launcher.config.schema import (BUILTIN_MODELS, LORA_MODULES, REFIT_MODES, REFIT_TRANSPORTS as TRANSPORTS,
-                                     Config, loss_errors)
+from launcher.config.schema import (BUILTIN_MODELS, LORA_MODULES, LORA_NOT_IN_PEFT, REFIT_MODES,
+                                     REFIT_TRANSPORTS as TRANSPORTS, Config, loss_errors)
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -35,6 +35,8 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs += _peft(cfg)
     errs += _refit_and_vllm(cfg)
     errs += _expert_lora(cfg)
+    errs += _hybrid(cfg)
+    errs += _lora_not_in_peft(cfg)
     errs += _grpo(cfg)
     errs += _grpo_sampling(cfg)
     errs += _data_and_reward(cfg, submitting)
@@ -191,6 +193,50 @@ def _expert_lora(cfg: Config) -> list[ConfigError]:
                                                f"refit.mode=merged at topology.train.expert_parallel=1 ({why}); "
                                                f"LoRA on attention (linear_qkv, linear_proj) works at every "
                                                f"expert_parallel")]
+
+
+def _hybrid_facts(cfg: Config):
+    """A hybrid model's facts (layer pattern, Mamba sizes): from model.path's config.json when it is
+    here, from the built-in recipe otherwise; None for other models or a checkpoint not on this machine."""
+    m = cfg.model
+    if m.path is None:
+        return model_facts.hybrid_facts(BUILTIN_MODELS.get(m.builtin, {}), f"built-in model {m.builtin}")
+    path = paths.model_dir(cfg)
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        return model_facts.hybrid_facts_of(path)
+    except (ConfigError, ValueError):
+        return None  # _model_dir reports a bad config.json
+
+
+def _hybrid(cfg: Config) -> list[ConfigError]:
+    """A hybrid (Mamba) model: each TP rank holds whole Mamba heads and whole groups (megatron's mixer)."""
+    facts = _hybrid_facts(cfg)
+    tp = cfg.topology.train.tensor_parallel
+    if facts is None or not facts.mamba_num_heads or tp < 1:
+        return []
+    if facts.mamba_num_heads % tp or facts.mamba_num_groups % tp:
+        return [ConfigError("topology.train.tensor_parallel",
+                            f"must divide the Mamba heads ({facts.mamba_num_heads}) and groups "
+                            f"({facts.mamba_num_groups}) of model {cfg.model.name}, got {tp}")]
+    return []
+
+
+def _lora_not_in_peft(cfg: Config) -> list[ConfigError]:
+    """refit.mode=adapter serves a PEFT adapter: only modules a PEFT adapter can hold."""
+    p, refused = cfg.peft, LORA_NOT_IN_PEFT.get(cfg.model.family, {})
+    if not (p.enabled and refused and cfg.refit.mode == "adapter"):
+        return []
+    errs = []
+    for module, why in refused.items():
+        hit = [t for t in p.target_modules if _matches(t, f"decoder.layers.0.{module}")]
+        if hit:
+            errs.append(ConfigError("peft.target_modules", f"{', '.join(map(repr, hit))} wrap {module} of "
+                                                           f"{cfg.model.name}, which refit.mode=adapter cannot serve: "
+                                                           f"{why}; use refit.mode=merged or merged_delta, or leave "
+                                                           f"it out"))
+    return errs
 
 
 def _refit_and_vllm(cfg: Config) -> list[ConfigError]:

@@ -20,3 +20,7 @@ class ProbedTrainer(MegatronTrainer):
         `...base_layer...` names Megatron-Bridge exports then."""
         pairs = list(self._export_hf(merge_adapters=False))
         return pairs if keep is True or (keep == "rank0" and self.rank == 0) else None
+
+    def expert_biases(self) -> dict:
+        """{name: this rank's MoE router expert bias} (a buffer, not a parameter)."""
+        return {n: b.detach().cpu().clone() for n, b in self._module.named_buffers() if n.endswith(".expert_bias")}

@@ -1,9 +1,9 @@
 """Write a Nemotron-H LoRA trainer checkpoint (`save_state`'s layout) without building the model.
 
-Why: megatron-core cannot build Nemotron-H's Mamba mixers on this CPU machine (they need the
-mamba_ssm / causal_conv1d CUDA kernels), so the exporter's Nemotron-H test gets its checkpoint from
-here instead of from a TrainerGroup. What a real hybrid model's `save_state` holds, and so what this
-writes with megatron-core dist_checkpointing (torch_dist):
+Why: the exporter's name handling (base checkpoints with `backbone.` and with `model.` names) is
+checked against factors written by hand, independent of the trainer, in seconds (a real trained
+Nemotron-H adapter is exported in tests/integration/test_nemotron_h.py). What a real hybrid model's
+`save_state` holds, and so what this writes with megatron-core dist_checkpointing (torch_dist):
   - one entry per layer: megatron-core's HybridStack keys its layers `decoder.layers.<N>.` (the GPT
     stack instead stacks layers on a leading axis), so `decoder.layers.<N>.<linear>.adapter.linear_in.weight`
     (A, [r, in]) and `...linear_out.weight` (B, [out, r]), global shapes;

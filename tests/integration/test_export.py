@@ -6,10 +6,11 @@ TP=2. The exported adapter loaded with `PeftModel.from_pretrained` must give the
 (1e-5) and not the base model's. The upstream converter's contiguous QKV split is rebuilt from the
 same checkpoint and must fail that comparison for GQA (it is only right for one query group).
 
-Nemotron-H: Megatron cannot build it on CPU here (its Mamba mixers need the mamba_ssm /
-causal_conv1d CUDA kernels), so `nemotron_h_checkpoint.py` writes its LoRA checkpoint directly with
-megatron-core dist_checkpointing, in the layout the trainer's `save_state` writes for a hybrid stack
-(keys and shapes derived from Megatron-Bridge's NemotronH mapping registry and the base checkpoint).
+Nemotron-H: `nemotron_h_checkpoint.py` writes a LoRA checkpoint with factors made by hand directly
+with megatron-core dist_checkpointing, in the layout the trainer's `save_state` writes for a hybrid
+stack (keys and shapes derived from Megatron-Bridge's NemotronH mapping registry and the base
+checkpoint), so the expected adapter is known independently of the trainer (a trained Nemotron-H
+adapter is exported and served in test_nemotron_h.py).
 PEFT must attach every exported tensor to transformers' NemotronHForCausalLM, with the base
 checkpoint's `backbone.` names and with `model.` names alike.
 """

@@ -3,8 +3,9 @@ on 6 nodes with 4 fake GPUs each (GRES on device files; Ray is told the node has
 the 16 trainer ranks (TP2 / EP16, 4 per train node) and the TP8 engine's actor and its 8 vLLM
 workers (4 per generation node, vLLM's own placement group) exactly where plan.txt says.
 
-The model is a tiny stand-in: the placement smoke builds no model, but validation checks the
-model's numbers against the topology (EP16 must divide the experts, TP8 the attention heads)."""
+The model is a tiny stand-in of the reference model's family (Nemotron-H: Mamba-2 + attention + MoE):
+the placement smoke builds no model, but validation checks the model's numbers against the topology
+(EP16 must divide the experts, TP8 the attention heads, TP2 the Mamba heads and groups)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 PY = sys.executable
 NODES = 6
-STAND_IN = ["model=tiny_qwen3_moe", "model.num_experts=16", "model.num_attention_heads=8",
+STAND_IN = ["model=tiny_nemotron_h", "model.num_experts=16", "model.num_attention_heads=8",
             "model.num_query_groups=8"]
 ROW = re.compile(r"^node (\d+)\s+(\S+)(?: \(head\))?\s+(\S+)\s+(.+?)\s+(\d+)$")
 

@@ -54,6 +54,10 @@ for sp in (False, True):
     norm = WrappedTorchNorm(c, 8)
     norms[str(sp)] = [type(norm).__name__, getattr(norm.weight, "sequence_parallel", None), c.sequence_parallel]
 out["norms"] = norms
+import megatron.core.models.hybrid.hybrid_block as hybrid_block
+out["hybrid_final_norm"] = hybrid_block.TENorm.__name__
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+out["linear_tp_size"] = isinstance(ColumnParallelLinear.tp_size, property)
 print(json.dumps(out))
 """
 
@@ -82,3 +86,38 @@ def test_cpu_shim_patches_only_what_it_says():
     assert (out["splits_as_numpy"], out["splits_kept"]) == ("ndarray", "Tensor")  # gloo's all_to_all wants lists
     # sequence parallel: the torch norm builds, tags its weights for the TP grad all-reduce, keeps the config
     assert out["norms"] == {"False": ["RMSNorm", None, False], "True": ["RMSNorm", True, True]}
+    # the hybrid stack's final norm, and TE's tp_size on megatron's linears
+    assert {"mamba_ssm", "hybrid_final_norm", "linear_tp_size", "no_jit_fuser"} <= set(out["cpu_applied"])
+    assert out["hybrid_final_norm"] == "WrappedTorchNorm" and out["linear_tp_size"]
+
+
+MAMBA_PROBE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from workers import cpu_shim
+cpu_shim.apply("cpu")  # as the trainer does: before anything imports megatron's Mamba mixer
+import megatron.core.ssm.mamba_mixer as mixer
+out = {"mixer": [mixer.HAVE_MAMBA_SSM, mixer.RMSNormGated.__module__, mixer.mamba_chunk_scan_combined.__module__,
+                 mixer.mamba_split_conv1d_scan_combined.__module__]}
+try:
+    import mamba_ssm  # noqa: F401  (not a megatron module: must still fail)
+    out["outside_megatron"] = "importable"
+except ImportError:
+    out["outside_megatron"] = "ImportError"
+from transformers.models.nemotron_h import modeling_nemotron_h as hf
+out["transformers_scan"] = hf.mamba2_chunk_scan.__module__
+from megatron.core.activations import squared_relu  # Nemotron-H's activation: a plain function, not compiled
+out["squared_relu_compiled"] = hasattr(squared_relu, "_torchdynamo_orig_callable")
+print(json.dumps(out))
+"""
+
+
+def test_megatrons_mamba_mixer_gets_the_stand_in_and_nobody_else_does():
+    proc = subprocess.run([sys.executable, "-c", MAMBA_PROBE, str(REPO)], capture_output=True, text=True, timeout=300,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["mixer"] == [True] + ["workers.cpu_shim.mamba"] * 3
+    assert out["outside_megatron"] == "ImportError"
+    assert out["transformers_scan"].startswith("transformers.")  # its own torch path, not our stand-in
+    assert out["squared_relu_compiled"] is False  # megatron's jit_fuser (torch.compile) is off on CPU

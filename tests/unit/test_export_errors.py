@@ -163,3 +163,51 @@ def test_exporter_module_imports_no_torch():
     code = "import sys, launcher.export, launcher.__main__; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+# --------------------------------------------------------------------------- Nemotron-H (a hybrid stack: a key per layer)
+
+
+def nemotron_h_checkpoint(make_checkpoint, tensors: dict) -> Path:
+    return make_checkpoint(tensors, "model.family=nemotron_h")
+
+
+def test_lora_on_the_routed_experts_of_a_hybrid_stack(capsys, make_checkpoint, tiny_model):
+    key = "decoder.layers.2.mlp.experts.experts.linear_fc1.adapter.linear_in.weight"  # a layer's experts, stacked
+    ckpt = nemotron_h_checkpoint(make_checkpoint, {key: torch.randn(4, R, HIDDEN),
+                                                   key.replace("linear_in", "linear_out"): torch.randn(4, 64, R)})
+    assert_refused(run_export(capsys, ckpt, "--base-model", str(tiny_model("tiny_nemotron_h"))),
+                   f"{key}: the checkpoint has LoRA on MoE experts, which the PEFT exporter does not write yet "
+                   "(docs/moe.md); adapters on attention export (peft.target_modules=[linear_qkv, linear_proj])")
+
+
+def test_lora_on_a_mamba_out_proj(capsys, make_checkpoint, tiny_model):
+    prefix = "decoder.layers.3.mixer.out_proj.adapter"
+    ckpt = nemotron_h_checkpoint(make_checkpoint, {f"{prefix}.linear_in.weight": torch.randn(R, 128),
+                                                   f"{prefix}.linear_out.weight": torch.randn(HIDDEN, R)})
+    assert_refused(run_export(capsys, ckpt, "--base-model", str(tiny_model("tiny_nemotron_h"))),
+                   "the checkpoint has LoRA on mixer.out_proj (decoder.layers.3.mixer.out_proj), which an HF PEFT "
+                   "adapter cannot hold: PEFT refuses LoRA on a Mamba layer's out_proj for nemotron_h "
+                   "(peft.tuners.tuners_utils._check_lora_target_modules_mamba); the run "
+                   f"({ckpt}/config.yaml) can only serve it through its merged refit modes")
+
+
+def test_a_mamba_in_proj_b_stored_in_parts_is_joined_in_hf_row_order(capsys, make_checkpoint, tiny_model):
+    """Megatron-Bridge checkpoints an in_proj LoRA-B as its z, x, B, C, dt parts (each TP-sharded on its
+    own): the adapter's in_proj B is the parts in that order, HF's in_proj rows."""
+    from safetensors.torch import load_file
+
+    prefix = "decoder.layers.0.mixer.in_proj.adapter"
+    sizes = {"z": 128, "x": 128, "B": 32, "C": 32, "dt": 8}  # tiny_nemotron_h: 8 heads x 16, 2 groups x 16
+    parts = {name: torch.randn(rows, R) for name, rows in sizes.items()}
+    a = torch.randn(R, HIDDEN)
+    ckpt = nemotron_h_checkpoint(make_checkpoint, {f"{prefix}.linear_in.weight": a, **{
+        f"{prefix}.linear_out.weight.{name}": t for name, t in reversed(list(parts.items()))}})
+    rc, out, err = run_export(capsys, ckpt, "--base-model", str(tiny_model("tiny_nemotron_h")))
+    assert (rc, err) == (0, ""), err
+    tensors = load_file(str(Path(ckpt).parent / "out" / "adapter_model.safetensors"))
+    assert sorted(tensors) == ["base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight",
+                               "base_model.model.backbone.layers.0.mixer.in_proj.lora_B.weight"]
+    assert torch.equal(tensors["base_model.model.backbone.layers.0.mixer.in_proj.lora_B.weight"],
+                       torch.cat(list(parts.values())))
+    assert torch.equal(tensors["base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight"], a)

@@ -19,3 +19,10 @@ def test_a_dense_checkpoint_keeps_vllms_default(tiny_model):
     dense = str(tiny_model("tiny_llama"))
     assert lora_targets_outside_experts(dense) is None
     assert "lora_target_modules" not in GeneratorConfig(model=dense, enable_lora=True).engine_kwargs()
+
+
+def test_a_nemotron_h_checkpoint_keeps_its_shared_expert_and_mamba_linears(tiny_model):
+    """Nemotron-H: the routed experts (mixer.experts.N) are left out; the shared expert's up/down_proj,
+    the Mamba in/out_proj and the router (gate) are linears outside them; conv1d is not a linear."""
+    assert lora_targets_outside_experts(str(tiny_model("tiny_nemotron_h"))) == [
+        "down_proj", "gate", "in_proj", "k_proj", "o_proj", "out_proj", "q_proj", "up_proj", "v_proj"]

@@ -110,8 +110,13 @@ def test_gated_fc1_split_including_tp_interleaved_gathers():
     ("nemotron_h", "decoder.layers.1.self_attention.linear_qkv", "qkv",
      ("model.layers.1.mixer.q_proj", "model.layers.1.mixer.k_proj", "model.layers.1.mixer.v_proj")),
     ("nemotron_h", "decoder.layers.1.self_attention.linear_proj", "single", ("model.layers.1.mixer.o_proj",)),
-    ("nemotron_h", "decoder.layers.2.mlp.linear_fc1", "single", ("model.layers.2.mixer.up_proj",)),  # relu2: no gate
-    ("nemotron_h", "decoder.layers.2.mlp.linear_fc2", "single", ("model.layers.2.mixer.down_proj",)),
+    ("nemotron_h", "decoder.layers.5.mlp.linear_fc1", "single", ("model.layers.5.mixer.up_proj",)),  # relu2: no gate
+    ("nemotron_h", "decoder.layers.5.mlp.linear_fc2", "single", ("model.layers.5.mixer.down_proj",)),
+    # Mamba: in_proj is one HF linear (rows z, x, B, C, dt); out_proj; an MoE layer's shared expert
+    ("nemotron_h", "decoder.layers.0.mixer.in_proj", "single", ("model.layers.0.mixer.in_proj",)),
+    ("nemotron_h", "decoder.layers.3.mixer.out_proj", "single", ("model.layers.3.mixer.out_proj",)),
+    ("nemotron_h", "decoder.layers.2.mlp.shared_experts.linear_fc1", "single",
+     ("model.layers.2.mixer.shared_experts.up_proj",)),
 ])
 def test_module_map_from_bridge_registry(family, module, kind, hf):
     mm = lora_layout.module_map(family, module)
@@ -126,8 +131,10 @@ def test_nemotron_h_module_names_exist_in_transformers_model(tiny_model):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     names = {n for n, _ in model.named_modules()}
-    for module in ("decoder.layers.1.self_attention.linear_qkv", "decoder.layers.2.mlp.linear_fc1",
-                   "decoder.layers.1.self_attention.linear_proj", "decoder.layers.2.mlp.linear_fc2"):
+    for module in ("decoder.layers.1.self_attention.linear_qkv", "decoder.layers.5.mlp.linear_fc1",
+                   "decoder.layers.1.self_attention.linear_proj", "decoder.layers.5.mlp.linear_fc2",
+                   "decoder.layers.0.mixer.in_proj", "decoder.layers.3.mixer.out_proj",
+                   "decoder.layers.2.mlp.shared_experts.linear_fc1", "decoder.layers.2.mlp.shared_experts.linear_fc2"):
         for hf in lora_layout.module_map("nemotron_h", module).hf_modules:
             assert hf in names, hf
 

@@ -27,7 +27,9 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
 NEMOTRON_H = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 2688,
               "num_hidden_layers": 52, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
-              "n_routed_experts": 128, "num_experts_per_tok": 6, "hybrid_override_pattern": "MEMEM*E" * 7}
+              "n_routed_experts": 128, "num_experts_per_tok": 6, "mamba_num_heads": 64, "mamba_head_dim": 64,
+              "n_groups": 8, "ssm_state_size": 128,
+              "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"}
 
 
 def checkpoint(tmp_path: Path, config, name: str = "ckpt") -> Path:

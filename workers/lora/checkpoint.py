@@ -7,6 +7,9 @@ megatron-core). Tensors are stored under their ShardedTensor keys, which are glo
   homogeneous GPT stacks       `decoder.layers.<rest>` with a leading layer axis [num_layers, ...]
   hybrid stacks (Nemotron-H)   `decoder.layers.<N>.<rest>`, one entry per layer
   gated linear_fc1 LoRA-B      rows [gate; up] at any TP size (megatron's swiglu sharded factory)
+  Mamba in_proj LoRA-B         five entries `<B key>.z`, `.x`, `.B`, `.C`, `.dt` (Megatron-Bridge splits it
+                               like megatron's mixer splits in_proj itself: each part is TP-sharded on
+                               its own), joined here in that order: HF's in_proj row order
 So the tensors read back are the TP=1 layout, whatever TP/PP the run used. Only the LoRA keys are
 requested from DCP; its file reader then reads just their byte ranges (counted in `bytes_read`, from
 the executed read plan), so base weights and optimizer state are never loaded and the checkpoint of a
@@ -29,6 +32,9 @@ LORA_A_SUFFIX = ".adapter.linear_in.weight"
 LORA_B_SUFFIX = ".adapter.linear_out.weight"
 LORA_SUFFIXES = (LORA_A_SUFFIX, LORA_B_SUFFIX)
 _LAYER_INDEX = re.compile(r"(^|\.)layers\.\d+\.")
+# the parts of a Mamba in_proj's LoRA-B as stored (megatron's _split_tensor_factory names), in row order
+IN_PROJ_PARTS = ("z", "x", "B", "C", "dt")
+_IN_PROJ_PART = re.compile(re.escape(LORA_B_SUFFIX) + r"\.(" + "|".join(IN_PROJ_PARTS) + r")$")
 
 # why an entry is not exported, by key prefix (first match wins); anything else: not a LoRA tensor
 SKIP_REASONS = (
@@ -72,7 +78,8 @@ def scan(directory: str | Path) -> Scan:
     out = Scan(directory, total_bytes=sum(s.length for s in (metadata.storage_data or {}).values()))
     for key, md in metadata.state_dict_metadata.items():
         reason = next((why for prefix, why in SKIP_REASONS if key.startswith(prefix)), None)
-        if reason is None and key.endswith(LORA_SUFFIXES) and isinstance(md, TensorStorageMetadata):
+        if reason is None and (key.endswith(LORA_SUFFIXES) or _IN_PROJ_PART.search(key)) \
+                and isinstance(md, TensorStorageMetadata):
             out.lora[key] = (tuple(md.size), md.properties.dtype)
             continue
         if reason is None and ".adapter." in key:
@@ -110,22 +117,43 @@ def load_lora(found: Scan) -> tuple[dict[str, Any], int]:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
     out: dict[str, Any] = {}
-    for key, tensor in state.items():
+    for key, tensor in _joined_in_proj_parts(state).items():
         out.update(_per_layer(key, tensor))
     return out, reader.bytes_read
 
 
+def _joined_in_proj_parts(state: dict[str, Any]) -> dict[str, Any]:
+    """The five stored parts of each Mamba in_proj LoRA-B joined into one B (rows z, x, B, C, dt)."""
+    import torch
+
+    out, parts = {}, {}
+    for key, tensor in state.items():
+        m = _IN_PROJ_PART.search(key)
+        if m is None:
+            out[key] = tensor
+        else:
+            parts.setdefault(key[: m.start()] + LORA_B_SUFFIX, {})[m.group(1)] = tensor
+    for key, found in parts.items():
+        missing = [p for p in IN_PROJ_PARTS if p not in found]
+        if missing:
+            raise LoraCheckpointError(f"{key}: the checkpoint holds the Mamba in_proj LoRA-B without its "
+                                      f"part(s) {', '.join(missing)}")
+        out[key] = torch.cat([found[p] for p in IN_PROJ_PARTS], dim=-2)  # rows (a layer axis may lead)
+    return out
+
+
 def _per_layer(key: str, tensor) -> dict[str, Any]:
     """One stored entry -> {Megatron parameter name: 2-D factor}, unstacking a leading layer axis."""
-    if _LAYER_INDEX.search(key) or "layers." not in key:
+    per_layer = bool(_LAYER_INDEX.search(key)) or "layers." not in key  # hybrid stacks key each layer
+    if tensor.dim() != (2 if per_layer else 3) and ".experts." in key:  # expert adapters carry an expert axis
+        raise LoraCheckpointError(f"{key}: the checkpoint has LoRA on MoE experts, which the PEFT exporter does "
+                                  f"not write yet (docs/moe.md); adapters on attention export (peft.target_modules"
+                                  f"=[linear_qkv, linear_proj])")
+    if per_layer:
         if tensor.dim() != 2:
             raise LoraCheckpointError(f"{key}: shape {tuple(tensor.shape)} is not a 2-D LoRA factor")
         return {key: tensor}
-    if tensor.dim() != 3:  # e.g. expert adapters carry more leading axes
-        if ".experts." in key:
-            raise LoraCheckpointError(f"{key}: the checkpoint has LoRA on MoE experts, which the PEFT exporter does "
-                                      f"not write yet (docs/moe.md); adapters on attention export (peft.target_modules"
-                                      f"=[linear_qkv, linear_proj])")
+    if tensor.dim() != 3:
         raise LoraCheckpointError(f"{key}: shape {tuple(tensor.shape)} is not [layers, rows, cols] "
                                   "(only dense-layer LoRA can be exported)")
     head, tail = key.split("layers.", 1)

@@ -10,6 +10,8 @@
             `backbone.layers.N.mixer.*` or `model.layers.N.mixer.*`) and its [out, in] must equal
             the base weight's shape: an adapter naming modules the base lacks would load into vLLM
             without error and change nothing, so that is refused here
+  complete  an adapter with a module PEFT cannot attach (schema.LORA_NOT_IN_PEFT: a Mamba out_proj)
+            is refused whole rather than written without it
 Every refusal is an ExportError of one line. torch is imported only once the checkpoint and the
 base model have passed the cheap checks (the CLI that imports this module stays torch-free).
 """
@@ -73,6 +75,7 @@ def export_adapter(trainer_dir: Path, out: str | Path, base: Path, *, family: st
         if a.shape[0] != dim:
             raise ExportError(f"rank mismatch: {module} has LoRA rank {a.shape[0]} but {config_file} "
                               f"says peft.dim={dim}")
+    _refuse_not_in_peft(factors, layout.family, config_file)
     with _quiet_megatron():  # its import logs Transformer Engine/Apex fallbacks (with tracebacks) at INFO
         for module in factors:
             try:
@@ -89,12 +92,39 @@ def export_adapter(trainer_dir: Path, out: str | Path, base: Path, *, family: st
     groups = [_spelled_as_base(g, layout.family, base, shapes) for g in hf_groups]
 
     out = Path(out).expanduser()
-    peft.write_peft_adapter(out, groups, dim, alpha, base_model_name_or_path=str(base))
+    peft.write_peft_adapter(out, groups, dim, alpha, base_model_name_or_path=str(base),
+                            exclude_modules=_not_in_adapter(groups, shapes))
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     hf_modules = sum(len(g.hf_modules) for g in groups)
     return AdapterExport(out=out.resolve(), megatron_modules=len(groups), hf_modules=hf_modules,
                          tensors=2 * hf_modules, target_modules=adapter_config["target_modules"],
                          bytes_read=bytes_read, checkpoint_bytes=found.total_bytes, skipped=found.skipped)
+
+
+def _not_in_adapter(groups, shapes: dict[str, list[int]]) -> list[str]:
+    """Linears of the base that the adapter's target_modules (last name parts) also name but the adapter
+    has no factors for (Nemotron-H: a shared expert's up_proj next to an MLP layer's), spelled from
+    `layers.` on so that PEFT's suffix match finds them under `backbone.` and `model.` alike."""
+    held = {m for g in groups for m in g.hf_modules}
+    suffixes = {m.rsplit(".", 1)[-1] for m in held}
+    # routed experts (`.experts.N.` on disk) are one fused parameter per layer in transformers 5, not
+    # Linear modules PEFT could wrap (naming them only makes PEFT warn that nothing was excluded)
+    others = {name[: -len(".weight")] for name, shape in shapes.items()
+              if name.endswith(".weight") and len(shape) == 2 and ".experts." not in name} - held
+    return sorted(m[m.find("layers."):] if "layers." in m else m
+                  for m in others if m.rsplit(".", 1)[-1] in suffixes)
+
+
+def _refuse_not_in_peft(factors, family: str, config_file: Path) -> None:
+    """An adapter PEFT cannot attach whole is not written (launcher.config.schema.LORA_NOT_IN_PEFT)."""
+    from launcher.config.schema import LORA_NOT_IN_PEFT
+
+    for refused, why in LORA_NOT_IN_PEFT.get(family, {}).items():
+        hit = [m for m in factors if m.endswith("." + refused)]
+        if hit:
+            raise ExportError(f"the checkpoint has LoRA on {refused} ({hit[0]}{' and more' if len(hit) > 1 else ''}), "
+                              f"which an HF PEFT adapter cannot hold: {why}; the run ({config_file}) can only "
+                              f"serve it through its merged refit modes")
 
 
 @contextmanager

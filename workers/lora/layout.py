@@ -186,8 +186,10 @@ def module_map(family: str, megatron_module: str) -> ModuleMap:
         return ModuleMap(megatron_module, "qkv", tuple(_hf_module_name(family, hf[k]) for k in ("q", "k", "v")))
     if kind_name == "GatedMLPMapping":
         return ModuleMap(megatron_module, "gated", tuple(_hf_module_name(family, hf[k]) for k in ("gate", "up")))
+    # MambaInProjMapping: one HF in_proj; the TP-gathered LoRA-B has its rows (z, x, B, C, dt) in HF order
+    # (workers.trainer.gather joins TP shards block by block; checkpoints store the blocks apart)
     if isinstance(hf, str) and kind_name in ("AutoMapping", "ColumnParallelMapping", "RowParallelMapping",
-                                             "ReplicatedMapping"):
+                                             "ReplicatedMapping", "MambaInProjMapping"):
         return ModuleMap(megatron_module, "single", (_hf_module_name(family, hf),))
     raise NotImplementedError(f"{family}: LoRA on {megatron_module} ({kind_name}) is not supported")
 

@@ -32,21 +32,29 @@ def peft_state_dict(groups: Iterable[HfLoraGroup]) -> dict[str, torch.Tensor]:
 
 
 def peft_adapter_config(groups: Iterable[HfLoraGroup], dim: int, alpha: float,
-                        base_model_name_or_path: str | None = None) -> dict[str, Any]:
-    """adapter_config.json content. PEFT scales by lora_alpha / r, Megatron by alpha / dim: equal."""
+                        base_model_name_or_path: str | None = None,
+                        exclude_modules: Iterable[str] = ()) -> dict[str, Any]:
+    """adapter_config.json content. PEFT scales by lora_alpha / r, Megatron by alpha / dim: equal.
+
+    target_modules are module names' last parts (PEFT and vLLM match them as suffixes);
+    exclude_modules, where given, the base modules those would also wrap without the adapter
+    holding them (PEFT would attach empty LoRA layers there: an adapter not attached fully)."""
     targets = sorted({m.rsplit(".", 1)[-1] for g in groups for m in g.hf_modules})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(dim), "lora_alpha": alpha,
-            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
-            "base_model_name_or_path": base_model_name_or_path}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(dim), "lora_alpha": alpha,
+              "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
+              "base_model_name_or_path": base_model_name_or_path}
+    if exclude_modules:
+        config["exclude_modules"] = sorted(exclude_modules)
+    return config
 
 
 def write_peft_adapter(out_dir: str | Path, groups: list[HfLoraGroup], dim: int, alpha: float,
-                       base_model_name_or_path: str | None = None) -> Path:
+                       base_model_name_or_path: str | None = None, exclude_modules: Iterable[str] = ()) -> Path:
     """Write adapter_model.safetensors + adapter_config.json (what PeftModel and vLLM load)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(peft_state_dict(groups), str(out / "adapter_model.safetensors"))
-    config = peft_adapter_config(groups, dim, alpha, base_model_name_or_path)
+    config = peft_adapter_config(groups, dim, alpha, base_model_name_or_path, exclude_modules)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return out

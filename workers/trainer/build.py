@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from workers import cpu_shim
-from workers.trainer import kernels
+from workers.trainer import bridge_fixes, kernels
 from workers.trainer.config import ParallelConfig, PeftConfig, TrainerConfig
 
 
@@ -86,6 +86,7 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     from megatron.core.utils import get_model_config
 
     p, is_cpu = cfg.parallel, cpu_shim.is_cpu(cfg.device)
+    bridge_fixes.apply()  # Megatron-Bridge defects (Mamba in_proj LoRA in the merged export)
     dtype = torch_dtype(cfg.dtype) or torch.float32
     bridge = AutoBridge.from_hf_pretrained(cfg.model_path)  # no dtype=: it leaks into the tokenizer
     provider = bridge.to_megatron_provider(load_weights=True)
@@ -101,6 +102,9 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
         # the other weights to re-balance a router that cannot change, and it depends on how the batch
         # is split over data-parallel ranks (a step at EP2 would differ from the same step at EP1).
         provider.moe_router_load_balancing_type, provider.moe_aux_loss_coeff = "none", 0.0
+        # Its expert bias (Nemotron-H's bridge turns it on) is a buffer megatron moves every step unless
+        # frozen: rate 0 as NeMo RL sets it, and apply_peft marks each router's bias frozen.
+        provider.moe_router_bias_update_rate = 0.0
     provider.params_dtype = dtype
     if provider.vocab_size % p.tensor_parallel:
         provider.should_pad_vocab = True  # megatron splits the vocab evenly over TP ranks
@@ -112,6 +116,12 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
 
         if hasattr(provider, "transformer_layer_spec"):
             provider.transformer_layer_spec = local_layer_spec
+        if hasattr(provider, "hybrid_stack_spec"):  # Nemotron-H: Mamba + attention + MLP/MoE layers
+            from workers.trainer.hybrid_spec import local_hybrid_stack_spec
+
+            provider.hybrid_stack_spec = local_hybrid_stack_spec
+    if is_cpu and hasattr(provider, "moe_shared_expert_overlap"):
+        provider.moe_shared_expert_overlap = False  # True puts the shared expert on a torch.cuda.Stream
     # a fusion whose kernel does not import here is off (workers.trainer.kernels; all of them on CPU)
     for flag, value in kernels.settings(is_cpu).items():
         if hasattr(provider, flag):
@@ -144,7 +154,8 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
 
 
 def apply_peft(model: list, pc: PeftConfig, seed: int, rank: int, out: dict) -> list:
-    """Pre-wrap hook: LoRA (or full fine-tuning), router freezing, PEFT statistics (into `out`)."""
+    """Pre-wrap hook: LoRA (or full fine-tuning), router freezing (with LoRA, or freeze_moe_router: its
+    weights and its expert bias), PEFT statistics (into `out`)."""
     lora = None
     if pc.enabled:
         from megatron.bridge.peft.lora import LoRA
@@ -155,14 +166,18 @@ def apply_peft(model: list, pc: PeftConfig, seed: int, rank: int, out: dict) -> 
                     lora_A_init_method=pc.lora_A_init_method,
                     lora_B_init_method=pc.lora_B_init_method, lora_dtype=torch_dtype(pc.lora_dtype))
         model = lora(model, training=True)
-    if pc.freeze_moe_router:
+        _inherit_partition_sizes(model)
+    if pc.enabled or pc.freeze_moe_router:
         from megatron.core.transformer.moe.router import TopKRouter
 
         for chunk in model:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
                     for param in module.parameters():
-                        param.requires_grad = False
+                        param.requires_grad = False  # LoRA has frozen them already
+                    # the expert bias is a buffer: finalize_model_grads updates it unless this is set
+                    # (trainer and generator would drift apart, and checkpoints do not hold it)
+                    module.frozen_expert_bias = True
     total = sum(p.numel() for chunk in model for p in chunk.parameters())
     trainable = sum(p.numel() for chunk in model for p in chunk.parameters() if p.requires_grad)
     statistics = ("PEFT Statistics:\n"
@@ -173,6 +188,18 @@ def apply_peft(model: list, pc: PeftConfig, seed: int, rank: int, out: dict) -> 
         print(statistics, flush=True)
     out.update(lora=lora, num_parameters={"total": total, "trainable": trainable}, peft_statistics=statistics)
     return model
+
+
+def _inherit_partition_sizes(model: list) -> None:
+    """A LoRA-B (adapter.linear_out) has the rows of the linear it wraps: where that weight is
+    block-interleaved over TP ranks (megatron's `partition_sizes`: a Mamba in_proj holds [z, x, B, C, dt]
+    per rank), so is the B, and workers.trainer.gather gathers both by those blocks."""
+    for chunk in model:
+        for module in chunk.modules():
+            sizes = getattr(getattr(getattr(module, "to_wrap", None), "weight", None), "partition_sizes", None)
+            out = getattr(getattr(module, "adapter", None), "linear_out", None)
+            if sizes is not None and out is not None:
+                out.weight.partition_sizes = list(sizes)
 
 
 def build_optimizer(cfg: TrainerConfig, model: list, model_config):

@@ -28,7 +28,8 @@ def full_named(params: dict, value_of: Callable, ps, model_config) -> dict:
         else:
             if getattr(param, "allreduce", True) is False or ".experts." in name:
                 raise NotImplementedError(f"expert parameter {name} is not gathered over EP")
-            full = gather_tp(tensor, param.partition_dim, name, ps, bool(model_config.gated_linear_unit))
+            full = gather_tp(tensor, param.partition_dim, name, ps, bool(model_config.gated_linear_unit),
+                             getattr(param, "partition_sizes", None))
         state[global_layer_name(name, offset)] = full
     if pp_size > 1:
         parts = [None] * pp_size
@@ -37,10 +38,17 @@ def full_named(params: dict, value_of: Callable, ps, model_config) -> dict:
     return state
 
 
-def gather_tp(tensor, dim: int, name: str, ps, gated_linear_unit: bool):
-    """The full tensor of a TP-sharded parameter (a gated fc1 weight interleaves [gate; up] per rank)."""
+def gather_tp(tensor, dim: int, name: str, ps, gated_linear_unit: bool, partition_sizes=None):
+    """The full tensor of a TP-sharded parameter (a gated fc1 weight interleaves [gate; up] per rank).
+
+    partition_sizes (megatron's attribute of a block-interleaved parameter, e.g. a Mamba in_proj:
+    each rank holds [z_r, x_r, B_r, C_r, dt_r]; build.apply_peft gives its LoRA-B the same): the
+    full tensor is each block gathered over the ranks, block after block ([z_0 z_1 .. | x_0 x_1 ..])."""
     shards = [torch.empty_like(tensor) for _ in range(ps.get_tensor_model_parallel_world_size())]
     torch.distributed.all_gather(shards, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    if partition_sizes:
+        blocks = [s.split(list(partition_sizes), dim=dim) for s in shards]
+        return torch.cat([b[i] for i in range(len(partition_sizes)) for b in blocks], dim=dim).float().cpu()
     gated_rows = "linear_fc1." in name and ".linear_in." not in name and dim == 0
     if gated_rows and gated_linear_unit:
         # each TP rank holds [gate_r; up_r]: the full tensor is [gate_0..gate_n; up_0..up_n]

@@ -1,6 +1,7 @@
 """Trainer checkpoints and what tensors returned by a trainer process look like.
 
-`save_state` / `load_state`: the trainable (adapter) weights, optimizer and scheduler state in
+`save_state` / `load_state`: the trainable (adapter) weights (and an MoE router's expert bias where
+training moves it), optimizer and scheduler state in
 megatron-core dist_checkpointing's torch_dist format (resharding-safe: saved at TP=2, loads at TP=1),
 plus each rank's RNG states as plain tensors in `rng/rank<N>.safetensors`. Collective.
 `portable_tensor_pickles`: keeps tensors pickled by this process loadable without megatron.
@@ -40,10 +41,20 @@ def plain_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def _trained_tensors(module) -> dict:
+    """{name: tensor} of what training changes: the trainable parameters, and the expert bias of every
+    MoE router that is not frozen (a buffer megatron updates each step; full fine-tuning only)."""
+    out = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    for name, sub in module.named_modules():
+        if getattr(sub, "expert_bias", None) is not None and not getattr(sub, "frozen_expert_bias", False):
+            out[f"{name}.expert_bias"] = sub.expert_bias
+    return out
+
+
 def _trainable_sharded_state_dict(module) -> dict:
-    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    trained = _trained_tensors(module)
     sharded = module.sharded_state_dict()
-    return {k: v for k, v in sharded.items() if k in trainable}
+    return {k: v for k, v in sharded.items() if k in trained}
 
 
 def _rng_path(directory: str, rank: int) -> str:
@@ -91,10 +102,10 @@ def load_state(directory: str, *, rank: int, module, optimizer, layout: dict, de
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)
     with cpu_shim.cuda_factories_on_cpu(device):
         loaded = dist_checkpointing.load(state, directory)
-    params = dict(module.named_parameters())
+    trained = _trained_tensors(module)
     with torch.no_grad():
         for name, tensor in loaded["model"].items():
-            params[name].copy_(tensor)
+            trained[name].copy_(tensor)
     if "optimizer" in loaded:
         optimizer.load_state_dict(loaded["optimizer"])
     else:  # saved before the first step: a fresh optimizer
