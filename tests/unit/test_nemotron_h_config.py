@@ -103,7 +103,7 @@ def test_tensor_parallel_must_divide_the_mamba_heads_and_groups(tmp_path):
            "mamba_num_heads": 12, "n_groups": 6}
     d = checkpoint(tmp_path, odd)
     assert errors(f"model.path={d}", "topology.train.tensor_parallel=4", "topology.train.ranks_per_node=4") == [
-        f"topology.train.tensor_parallel: must divide the Mamba heads (12) and groups (6) of model tiny_llama, got 4"]
+        "topology.train.tensor_parallel: must divide the Mamba heads (12) and groups (6) of model tiny_llama, got 4"]
     assert errors(f"model.path={d}", "topology.train.tensor_parallel=2") == []
 
 
