@@ -250,7 +250,8 @@ def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event
     try:
         ctx.progress["phase"] = "start-up"
         named_failures(ctx, plan, parts, start, cfg, plan, ctx, startup, parts)
-        grpo = GrpoRun(cfg, ctx, parts.trainers, parts.generators, parts.refit, parts.data, rewards, stop, plan, startup)
+        grpo = GrpoRun(cfg, ctx, parts.trainers, parts.generators, parts.refit, parts.data, rewards, stop, plan,
+                       startup)
         return grpo.run()
     finally:
         rewards.close()

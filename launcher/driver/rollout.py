@@ -109,7 +109,7 @@ def validation(cfg: Config, generators, val, rewards, step: int) -> dict:
 
 
 def build_batch(r: Rollout, adv: list[float], pad_id: int) -> TrainerBatch:
-    """workers.contracts.TrainerBatch (docs/architecture.md): prompt + response right-padded; value at t = log p(x_t | x_<t)."""
+    """workers.contracts.TrainerBatch: prompt + response right-padded; value at t = log p(x_t | x_<t)."""
     import torch
 
     lengths = [len(p) + len(s) for p, s in zip(r.prompt_ids, r.response_ids)]

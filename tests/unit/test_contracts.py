@@ -39,7 +39,8 @@ def problems(cls: type, proto: type) -> list[str]:
         wanted = list(inspect.signature(want).parameters.values())[1:]
         got = list(inspect.signature(have).parameters.values())[1:]
         if [p.name for p in got[:len(wanted)]] != [p.name for p in wanted]:
-            out.append(f"{cls.__name__}.{name}{inspect.signature(have)}: parameters differ from {inspect.signature(want)}")
+            out.append(f"{cls.__name__}.{name}{inspect.signature(have)}: parameters differ from "
+                       f"{inspect.signature(want)}")
             continue
         out += [f"{cls.__name__}.{name}: {p.name} has no default" for p, q in zip(got, wanted)
                 if q.default is not inspect.Parameter.empty and p.default is inspect.Parameter.empty]
@@ -72,8 +73,9 @@ def test_the_checker_finds_a_missing_member_and_a_changed_signature():
 
 
 def test_the_batch_and_the_infos_are_typed():
-    assert set(contracts.TrainerBatch.__annotations__) == {"input_ids", "loss_mask", "advantages", "generation_logprobs", "prev_logprobs",
-                          "reference_logprobs"}
+    assert set(contracts.TrainerBatch.__annotations__) == {"input_ids", "loss_mask", "advantages",
+                                                           "generation_logprobs", "prev_logprobs",
+                                                           "reference_logprobs"}
     assert contracts.TrainerBatch.__required_keys__ == {"input_ids", "loss_mask", "advantages", "generation_logprobs"}
     assert typing.get_type_hints(contracts.TrainerInfo)["num_parameters"] is contracts.NumParameters
     from launcher.driver.rollout import Rollout, build_batch
