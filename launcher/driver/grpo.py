@@ -91,8 +91,8 @@ class GrpoRun:
 
     def rollout(self, step: int, row: dict) -> pipeline.RolloutResult:
         """Launch what the schedule launches now and wait for the rollout of `step`."""
-        self.phase("generation")
         self.pipeline.launch(through=step + self.lag, trainer_version=step - 1)
+        self.phase("generation")
         got = self.pipeline.get(step)
         add_refit(row, got.refit)
         row.update(got.metrics)
@@ -159,7 +159,7 @@ class GrpoRun:
         g = cfg.grpo
         step, position, ahead = self.resume() if cfg.resume else (0, 0, [])
         self.pipeline = pipeline.Pipeline(cfg, self.generators, self.refit, self.data.prompts, self.rewards,
-                                          self.lag, step, position, ahead)
+                                          self.lag, step, position, ahead, progress=self.ctx.progress)
         metrics = MetricsLogger(self.run_dir, cfg.logging, g.max_num_steps, resumed_step=step)
         self.startup.mark(("resume + " if cfg.resume else "") + "metrics writers (TensorBoard)")
         first_step, last_saved = step + 1, step

@@ -144,10 +144,12 @@ class Pipeline:
     """The rollouts of a run: which weights generate which step, launched ahead by `lag` steps."""
 
     def __init__(self, cfg: Config, generators, refit, prompts, rewards, lag: int, step: int, position: int,
-                 ahead: list[RolloutResult] | None = None):
+                 ahead: list[RolloutResult] | None = None, progress: dict | None = None):
         """step, position: where the run starts (0, 0; or a resumed checkpoint's); `ahead`: the
-        checkpoint's rollouts for the steps after it (restore())."""
+        checkpoint's rollouts for the steps after it (restore()); `progress`: the driver's
+        {"step", "phase"} for failure messages (a job that fails names its own phase and step)."""
         self.cfg, self.generators, self.refit, self.prompts, self.rewards = cfg, generators, refit, prompts, rewards
+        self.progress = progress if progress is not None else {}
         self.lag, self.restart = lag, step
         self.queue = GeneratorQueue(threaded=lag > 0)
         self.results: dict[int, Future] = {}
@@ -183,18 +185,44 @@ class Pipeline:
             return None
         self.queued_version = version
         if self.refit.deferrable:
+            self.progress["phase"] = "refit"
             snapshot = self.refit.take(version)
             return lambda: refit_metrics(self.refit.deliver(snapshot))
         t = time.perf_counter()
         self.queue.drain()   # the engines' last job done: sender and receivers meet in the group
         self.waited_s += time.perf_counter() - t
+        self.progress["phase"] = "refit"
         pushed = refit_metrics(self.refit.push(version))
         return lambda: pushed
 
+    def _doing(self, phase: str, step: int, fn: Callable[[], Any]) -> Any:
+        """fn() as part of a job: inline, the driver's phase is the job's; on the generation thread
+        the job's phase and step travel with its error, for the loop to report (_result)."""
+        if not self.queue.threaded:
+            self.progress["phase"] = phase
+        try:
+            return fn()
+        except Exception as e:
+            try:
+                e.pipeline_phase = (phase, step)  # type: ignore[attr-defined]
+            except AttributeError:  # an exception type without a __dict__: the loop's phase stays
+                pass
+            raise
+
+    def _result(self, f: Future):
+        try:
+            return f.result()
+        except Exception as e:
+            phase, step = getattr(e, "pipeline_phase", (None, None))
+            if phase:
+                self.progress.update(phase=phase, step=step)
+            raise
+
     def _rollout(self, step: int, version: int, before: Callable[[], dict] | None) -> RolloutResult:
-        refit = before() if before is not None else {}
+        refit = self._doing("refit", step, before) if before is not None else {}
         t = time.perf_counter()
-        rollout, position, m = collect(self.cfg, self.generators, self.prompts, self.rewards, step, self._position)
+        rollout, position, m = self._doing("generation", step, lambda: collect(
+            self.cfg, self.generators, self.prompts, self.rewards, step, self._position))
         m["timing/generation"] = time.perf_counter() - t
         self._position = position
         return RolloutResult(step, version, rollout, position, m, refit)
@@ -203,7 +231,7 @@ class Pipeline:
     def get(self, step: int) -> RolloutResult:
         """The rollout of `step` (launched before), waited for."""
         t = time.perf_counter()
-        result = self.results.pop(step).result()
+        result = self._result(self.results.pop(step))
         self.waited_s += time.perf_counter() - t
         return result
 
@@ -211,22 +239,23 @@ class Pipeline:
         """Greedy validation with W_version after whatever is queued: (refit metrics, val metrics
         with timing/validation)."""
         before = self._engines_at(version)
+        self.progress["phase"] = "validation"
 
         def job():
-            refit = before() if before is not None else {}
+            refit = self._doing("refit", step, before) if before is not None else {}
             t = time.perf_counter()
-            m = validation(self.cfg, self.generators, val, self.rewards, step)
+            m = self._doing("validation", step, lambda: validation(self.cfg, self.generators, val, self.rewards, step))
             m["timing/validation"] = time.perf_counter() - t
             return refit, m
 
         t = time.perf_counter()
-        refit, m = self.queue.submit(job).result()
+        refit, m = self._result(self.queue.submit(job))
         self.waited_s += max(0.0, time.perf_counter() - t - m["timing/validation"])
         return refit, m
 
     def ahead(self, step: int) -> list[RolloutResult]:
         """The rollouts launched for the steps after `step`, waited for (a checkpoint keeps them)."""
-        return [self.results[s].result() for s in sorted(self.results) if s > step]
+        return [self._result(self.results[s]) for s in sorted(self.results) if s > step]
 
     def timings(self) -> dict:
         """This step's exposed and idle generation (then reset)."""

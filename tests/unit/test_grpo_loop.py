@@ -318,3 +318,37 @@ def test_the_pipeline_refuses_to_run_without_the_importance_weight():
     errors = [str(e) for e in validate(cfg, submitting=False)]
     assert errors == ["grpo.pipeline.enabled: needs grpo.loss.truncated_importance_sampling_ratio (e.g. 5.0): the "
                       "truncated importance weight corrects for samples generated with older weights"]
+
+
+class BrokenGenerators(FakeGenerators):
+    """Fails its second generate call, as a dead engine's call would."""
+
+    def generate(self, *args, **kwargs):
+        if sum(1 for e in self.events if e[0] == "generate") == 1:
+            raise RuntimeError("engine lost")
+        return super().generate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_failing_generation_names_its_own_phase_and_step(tmp_path, lag):
+    """A rollout that fails on the generation thread is reported when the loop waits for it, under
+    the phase and step of the job that failed (what the driver's one-line error names)."""
+    from launcher.driver.pipeline import Pipeline
+    from workers.tiny_models import make_tokenizer
+
+    cfg, _ = config(tmp_path, "grpo.max_num_steps=4", "grpo.pipeline.enabled=true")
+    events: list = []
+    trainers, generators = FakeTrainers(Clock(0), events), BrokenGenerators(Clock(0), events)
+    progress: dict = {}
+    refit = FakeRefit(trainers, generators, deferrable=True)
+    pipe = Pipeline(cfg, generators, refit, read_data(cfg, make_tokenizer()).prompts, InProcessRewards(), lag,
+                    step=0, position=0, progress=progress)
+    pipe.launch(through=1 + lag, trainer_version=0)
+    assert pipe.get(1).step == 1
+    trainers.version = 1
+    progress.update(step=2, phase="training")
+    with pytest.raises(RuntimeError, match="engine lost"):
+        pipe.launch(through=2 + lag, trainer_version=1)
+        pipe.get(2)
+    assert progress == {"step": 2, "phase": "generation"}
+    pipe.close()
