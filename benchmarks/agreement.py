@@ -5,7 +5,7 @@ rate, so the LoRA deltas stay small against the base weights) and two in-process
 of the same dtype (a plain one for `merged` and `merged_delta`, a LoRA-enabled one for `adapter`)
 on a local Ray. Step 0 is before any training (B = 0: the generator and the trainer hold the same
 weights, so what is left is the two sides' kernels: the floor). At every step each mode refits
-its engine from the same trainer state exactly as the GRPO driver does (`run_refit`), samples
+its engine from the same trainer state exactly as the GRPO driver does (`ObjectStoreRefit.push`), samples
 the same seeded requests, and the trainer scores the sampled tokens; `gen_kl_error` and
 `token_mult_prob_error` are the driver's own metrics (launcher.driver.agreement). Then one GRPO
 optimizer step on the first mode's samples (reward: the share of even token ids in the
@@ -127,7 +127,7 @@ def run_dtype(model_dir: Path, label: str, args) -> list[dict]:
             train_batch = None
             for mode in args.modes:
                 gen = engines["lora" if mode == "adapter" else "plain"]
-                report = refit.run_refit(lambda: [a.refit_payload.remote(mode, 256) for a in trainers.actors], gen, mode)
+                report = refit.ObjectStoreRefit(trainers, gen, mode, 256).push(step)
                 outs = gen.generate(requests, temperature=1.0, max_tokens=args.tokens, seeds=seeds)
                 rewards = [sum(1 for tok in o.token_ids if tok % 2 == 0) / max(len(o.token_ids), 1) for o in outs]
                 batch = batch_for(outs, requests, 0, group_advantages(rewards, n))

@@ -3,7 +3,7 @@
 For each model (tiny_llama, llama_100m) and LoRA target set (attention only, all linears) it
 starts the real TrainerGroup (Megatron-Bridge LoRA, TP=1) and two vLLM engines (plain for the
 merged modes, LoRA-enabled for `adapter`) on a local Ray, then times refits exactly as the
-GRPO driver does them (`refit.run_refit` over the Ray object store). Per mode: one cold refit
+GRPO driver does them (`ObjectStoreRefit.push`, over the Ray object store). Per mode: one cold refit
 (layout, merged_delta's base tensors, adapter load), then `--repeats` warm refits; the table
 shows the warm median. `memcpy` is one single-threaded copy of the merged mode's bytes on this
 machine: the floor for any refit that moves those bytes once. The last column times one greedy
@@ -69,9 +69,10 @@ def trainer_group(model_dir: Path, targets: list[str], dim: int, alpha: float):
 def time_mode(trainers, generators, mode: str, bucket_mb: float, repeats: int) -> dict:
     from workers.refit import control as refit
 
+    sync = refit.ObjectStoreRefit(trainers, generators, mode, bucket_mb)
+
     def once():
-        return refit.run_refit(lambda: [a.refit_payload.remote(mode, bucket_mb) for a in trainers.actors],
-                               generators, mode)
+        return sync.push(0)
 
     cold = once()
     warm = [once() for _ in range(repeats)]

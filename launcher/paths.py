@@ -52,6 +52,7 @@ NODE_REPORTS = "failed_node*.json"
 TRAINING_INFO = "training_info.json"
 MANIFEST = "manifest.json"
 TRAINER = "trainer"                 # the trainer ranks' torch distributed checkpoint
+ROLLOUTS = "rollouts.json"          # a pipelined run's rollouts generated ahead of the checkpoint's step
 # a sweep: <run.root>/sweeps/<sweep>/
 SWEEPS = "sweeps"
 SWEEP_RECORD = "sweep.jsonl"

@@ -164,10 +164,73 @@ def _absolute(v: str) -> str | None:
     return None if v.startswith("/") and "\0" not in v and "\n" not in v else f"must be an absolute path, got {_short(v)}"
 
 
+def _pipeline(v: dict) -> str | None:
+    """training_info.json's `pipeline`: the max_lag it ran with, the steps generated ahead of it."""
+    lag, ahead = v.get("max_lag"), v.get("ahead")
+    if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= 16:
+        return f"max_lag must be an integer in [0, 16], got {_short(lag)}"
+    if not isinstance(ahead, list) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in ahead):
+        return f"ahead must be a list of step numbers, got {_short(ahead)}"
+    return None
+
+
+def _int_rows(v: Any, what: str) -> str | None:
+    if not isinstance(v, list) or any(not isinstance(row, list) or any(isinstance(x, bool) or not isinstance(x, int)
+                                                                        or x < 0 for x in row) for row in v):
+        return f"{what} must be lists of token ids"
+    return None
+
+
+def _rollouts(v: list) -> str | None:
+    """rollouts.json's `rollouts`: each step's samples as the engines produced them (what a resumed
+    pipelined run trains on instead of generating again)."""
+    for i, r in enumerate(v):
+        if not isinstance(r, dict):
+            return f"[{i}] must be an object, got {_short(r)}"
+        for key in ("step", "version", "position"):
+            x = r.get(key)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                return f"[{i}].{key} must be an integer >= 0, got {_short(x)}"
+        if not isinstance(r.get("metrics"), dict) or not isinstance(r.get("refit"), dict):
+            return f"[{i}]: metrics and refit must be objects"
+        s = r.get("rollout")
+        if not isinstance(s, dict):
+            return f"[{i}].rollout must be an object, got {_short(s)}"
+        n = len(s.get("rewards") or [])
+        for key, what in (("prompt_ids", "prompt ids"), ("response_ids", "response ids")):
+            err = _int_rows(s.get(key), what)
+            if err or len(s[key]) != n:
+                return f"[{i}].rollout.{key}: {err or f'{len(s[key])} rows for {n} rewards'}"
+        lps = s.get("generation_logprobs")
+        if (not isinstance(lps, list) or len(lps) != n
+                or any(not isinstance(row, list) or len(row) != len(ids) or any(
+                    isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in row)
+                    for row, ids in zip(lps, s["response_ids"]))):
+            return f"[{i}].rollout.generation_logprobs must be one finite number per response token"
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in s["rewards"]):
+            return f"[{i}].rollout.rewards must be finite numbers"
+        texts, truncated = s.get("texts", []), s.get("truncated", [])
+        if not isinstance(texts, list) or any(not isinstance(t, str) for t in texts):
+            return f"[{i}].rollout.texts must be strings"
+        if not isinstance(truncated, list) or any(not isinstance(t, bool) for t in truncated):
+            return f"[{i}].rollout.truncated must be true or false"
+        errs = s.get("reward_errors", 0)
+        if isinstance(errs, bool) or not isinstance(errs, int) or errs < 0:
+            return f"[{i}].rollout.reward_errors must be an integer >= 0"
+        extra = set(s) - {"prompt_ids", "response_ids", "generation_logprobs", "rewards", "texts", "truncated",
+                          "reward_errors"}
+        if extra:
+            return f"[{i}].rollout has unknown keys {sorted(extra)}"
+    return None
+
+
 # ------------------------------------------------------------------------------ the records
 TRAINING_INFO = Record(paths.TRAINING_INFO, {
     "step": count(), "consumed_prompts": count(),
-    "metrics": Field((dict,), required=False, rule=_metrics), "time": number(required=False)})
+    "metrics": Field((dict,), required=False, rule=_metrics), "time": number(required=False),
+    "pipeline": Field((dict,), required=False, rule=_pipeline)})
+ROLLOUTS = Record(paths.ROLLOUTS, {"max_lag": count(16), "sampling": Field((dict,)),
+                                   "rollouts": Field((list,), rule=_rollouts)})
 MANIFEST = Record(paths.MANIFEST, {"files": Field((dict,), rule=_manifest_files)})
 HEAD = Record(paths.HEAD, {"ip": Field((str,), rule=_ip), "port": Field((int,), rule=_port), "host": text()})
 NODE_REPORT = Record(paths.NODE_REPORTS, {"node_index": count(4095), "host": text(), "reason": text(one_line=False),

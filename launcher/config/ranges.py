@@ -185,6 +185,8 @@ FIELDS: dict[str, Range | OneOf | Text | Elsewhere | Free] = {
     "grpo.dynamic_sampling.metric": OneOf(("reward", "accuracy")),
     "grpo.overlong_penalty.buffer_tokens": Elsewhere("validate._grpo_sampling", (0,)),
     "grpo.overlong_penalty.max_penalty": Elsewhere("validate._grpo_sampling", (-1.0,)),
+    # each version between generation and training keeps one copy of the weights in flight (0: set enabled=false)
+    "grpo.pipeline.max_lag": Range(1, 16),
     "data.train": Elsewhere("driver.data.check", ("/no/such/prompts.jsonl",)),
     "data.validation": Elsewhere("driver.data.check", ("/no/such/val.jsonl",)),
     "data.prompt_key": Text(nullable=False),
@@ -310,6 +312,10 @@ def _cross(cfg: Config) -> list[ConfigError]:
     if cfg.checkpointing.metric_name.startswith("val/") and not (cfg.grpo.val_period or cfg.grpo.val_at_start):
         errs.append(ConfigError("checkpointing.metric_name", f"{cfg.checkpointing.metric_name} is only logged with "
                                                              f"validation on (grpo.val_period > 0)"))
+    if cfg.grpo.pipeline.enabled and cfg.grpo.loss.truncated_importance_sampling_ratio is None:
+        errs.append(ConfigError("grpo.pipeline.enabled", "needs grpo.loss.truncated_importance_sampling_ratio (e.g. "
+                                                         "5.0): the truncated importance weight corrects for samples "
+                                                         "generated with older weights"))
     if cfg.vllm.max_model_len < cfg.grpo.max_total_sequence_length:
         errs.append(ConfigError("vllm.max_model_len", f"must be at least grpo.max_total_sequence_length = "
                                                       f"{cfg.grpo.max_total_sequence_length}, got {cfg.vllm.max_model_len}"))

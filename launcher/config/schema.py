@@ -211,6 +211,14 @@ class OverlongPenalty:
 
 
 @dataclass
+class Pipeline:
+    """Generation of the next steps while the trainers train (launcher.driver.pipeline)."""
+
+    enabled: bool = False          # the rollout of step N generated with the weights after step N-1-max_lag
+    max_lag: int = 1               # weight versions between the generating and the training weights
+
+
+@dataclass
 class Grpo:
     max_num_steps: int = 10
     num_prompts_per_step: int = 8
@@ -229,6 +237,7 @@ class Grpo:
     val_max_examples: Optional[int] = None
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     overlong_penalty: OverlongPenalty = field(default_factory=OverlongPenalty)
+    pipeline: Pipeline = field(default_factory=Pipeline)
 
 
 @dataclass

@@ -78,6 +78,25 @@ def size_of(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _check_rollouts_ahead(path: Path, info: dict) -> None:
+    """A pipelined checkpoint's rollouts.json: its schema, and the steps training_info.json says were
+    generated ahead (N+1.., each with weights older than its step, from data at or after N's position)."""
+    ahead = (info.get("pipeline") or {}).get("ahead") or []
+    if not ahead:
+        return
+    body = _record(path / paths.ROLLOUTS, records.ROLLOUTS)
+    step, where = info["step"], path / paths.ROLLOUTS
+    steps = [r["step"] for r in body["rollouts"]]
+    if steps != ahead or ahead != list(range(step + 1, step + 1 + len(ahead))):
+        raise CheckpointError(f"{where}: holds steps {steps}, {INFO} says {ahead} after step {step}; the "
+                              f"checkpoint's records disagree, not resumable")
+    for r in body["rollouts"]:
+        if r["version"] >= r["step"] or r["position"] < info["consumed_prompts"]:
+            raise CheckpointError(f"{where}: step {r['step']} generated with weights {r['version']} from data "
+                                  f"position {r['position']} (the checkpoint is at step {step}, position "
+                                  f"{info['consumed_prompts']}); not resumable")
+
+
 def verify(path: Path) -> None:
     """Raise CheckpointError naming the first missing, truncated or unreadable file, or the first
     record that is not what this launcher writes (launcher.records) or disagrees with another: a
@@ -114,6 +133,7 @@ def verify(path: Path) -> None:
         if Path(rel).name.endswith(".metadata"):
             _check_pickle(path / rel)
     _check_trainer_step(path, info["step"])
+    _check_rollouts_ahead(path, info)
     try:
         records.load_config(path / CONFIG)
     except records.RecordError as e:

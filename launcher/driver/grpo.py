@@ -1,174 +1,116 @@
 """The GRPO loop, run by the driver on node 0 once the Ray cluster has formed.
 
-Per step: refit if the generators' weights are stale -> generate n samples per prompt (each
-request seeded from (run seed, step, prompt, sample), so sampling does not depend on engine
-history) -> rewards (with DAPO dynamic sampling: more rounds until enough informative groups)
--> group advantages -> the policy's logprobs of the samples (and the reference's, adapters
-disabled, when a KL penalty is on) -> one optimizer step -> every grpo.val_period steps: refit and
-greedy validation -> checkpoint when due -> metrics. A stop request (preemption signal, Ctrl-C)
-ends the loop at a step boundary after a checkpoint, so no step is lost or repeated.
+`run` brings the run up (launcher.driver.start: data, trainer ranks, vLLM engines, the refit
+object) and hands the parts to `GrpoRun`, which sees them only through workers.contracts
+(Trainers, Generators, WeightSync): the loop starts no actor and names no transport, and
+tests/unit/test_grpo_loop.py runs it on fakes without Ray.
+
+Per step N: the rollout of step N (launcher.driver.pipeline: n seeded generations per prompt and
+their rewards, with DAPO dynamic sampling more rounds until enough informative groups; generated
+with the weights after step N-1, or with grpo.pipeline.enabled after step N-1-max_lag while the
+trainers train) -> group advantages -> the policy's logprobs of the samples (and the reference's,
+adapters disabled, when a KL penalty is on) -> one optimizer step -> every grpo.val_period steps:
+greedy validation with the weights this step produced -> checkpoint when due -> metrics. A stop
+request (preemption signal, Ctrl-C, launcher.stop) ends the loop at a step boundary after a
+checkpoint, so no step is lost or repeated; with the pipeline the checkpoint keeps the rollouts
+generated ahead, so a resumed run is the uninterrupted one (pipeline.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import shutil
 import threading
 import time
-
-from omegaconf import OmegaConf
 
 from launcher import files, paths
 from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext, log
 from launcher.config.schema import Config, ConfigError
-from launcher.driver import advantages, data, models, rewards
+from launcher.driver import advantages, pipeline, rewards as rewards_mod
 from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
 from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary
-from launcher.driver.rollout import build_batch, collect, validation
-from launcher.driver.startup import Startup, actor_parts, start_together, step_parts, summary_text, warmed_up
+from launcher.driver.rollout import build_batch
+from launcher.driver.start import RunData, Workers, start
+from launcher.driver.startup import Startup, step_parts, summary_text
 from launcher.paths import checkpoint_dirs
+from workers.contracts import Generators, Trainers, WeightSync
+
+REFIT_SECONDS = "timing/transfer_and_update_weights"
+
+
+def named_failures(ctx: JobContext, plan, parts, fn, *args):
+    """fn(*args), with a failure (a dead actor, a lost node) said in one line as a StepFailed: a
+    ClusterError, so retry.max_restarts restarts the run after start-up or resume failures too.
+    A user's mistake (ConfigError) stays what it is. `parts`: whose `trainers` and `generators`
+    (as they are when it fails) name the actors."""
+    try:
+        return fn(*args)
+    except (StepFailed, ConfigError):
+        raise
+    except Exception as e:  # noqa: BLE001 - named and re-raised
+        raise StepFailed(describe(e, ctx, plan, parts.trainers, parts.generators)) from e
+
+
+def add_refit(row: dict, refit: dict) -> None:
+    """A refit's metrics into a step's row: seconds add up, bytes and tensors are the last refit's."""
+    if refit:
+        row.update({**refit, REFIT_SECONDS: row.get(REFIT_SECONDS, 0.0) + refit[REFIT_SECONDS]})
 
 
 class GrpoRun:
-    def __init__(self, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event | None = None):
-        self.cfg, self.plan, self.ctx = cfg, plan, ctx
+    def __init__(self, cfg: Config, ctx: JobContext, trainers: Trainers, generators: Generators, refit: WeightSync,
+                 data: RunData, rewards, stop: threading.Event | None = None, plan: plan_mod.Plan | None = None,
+                 startup: Startup | None = None):
+        """rewards: launcher.driver.rewards.Rewards (score(texts, examples) -> (scores, errors))."""
+        self.cfg, self.ctx, self.plan = cfg, ctx, plan
+        self.trainers, self.generators, self.refit = trainers, generators, refit
+        self.data, self.rewards = data, rewards
         self.stop = stop or threading.Event()
         self.run_dir = ctx.run_dir
         self.ckpts = CheckpointManager(checkpoint_dirs(cfg, self.run_dir), cfg.checkpointing)
-        self.rewards = rewards.Rewards(cfg.reward, cfg.data.answer_key, self.run_dir)
-        self.trainers = None
-        self.generators = None
-        self.startup = Startup.since_process_start(ctx.startup)  # phases end to end, see driver.startup
+        self.startup = startup or Startup.since_process_start(ctx.startup)
+        p = cfg.grpo.pipeline
+        self.lag = p.max_lag if p.enabled else 0
+        self.pipeline: pipeline.Pipeline | None = None
 
-    # ------------------------------------------------------------------ setup
-    def start(self) -> None:
-        from transformers import AutoTokenizer
-
-        from workers.refit import control as refit
-        from workers.generator.actor import GeneratorConfig
-        from workers.generator.group import GeneratorGroup
-        from workers.trainer.config import TrainerConfig
-        from workers.trainer.group import TrainerGroup
-
-        cfg, plan = self.cfg, self.plan
-        self.startup.mark("driver imports (torch, transformers, workers)")
-        t0 = time.time()
-        self.model_dir = models.ensure(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.prompts_from(self.tokenizer)
-        self.startup.mark("model files ready (+ tokenizer)")
-        plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-        log(f"model {cfg.model.name} at {self.model_dir}; starting {plan.train_world} trainer rank(s) and "
-            f"{plan.engines} vLLM engine(s)")
-        train_cfg = TrainerConfig.from_run_config(plain, str(self.model_dir))
-        gen_cfg = GeneratorConfig.from_sections(
-            str(self.model_dir), plain["vllm"], {"tensor_parallel": plan.generation_tp},
-            device=cfg.topology.device, refit_mode=cfg.refit.mode, seed=cfg.run.seed)
-        # logprobs of the distribution tokens are sampled from (after grpo.temperature), what the trainer computes
-        gen_cfg = dataclasses.replace(gen_cfg, logprobs_mode="processed_logprobs")
-        requested, took = time.time(), []
-        self.trainers, self.generators = start_together(  # trainer ranks and vLLM engines start at once
-            lambda: TrainerGroup(train_cfg, [plan_mod.trainer_options(plan, r) for r in range(plan.train_world)]),
-            lambda: warmed_up(GeneratorGroup(gen_cfg, [plan_mod.generator_options(plan, e) for e in range(plan.engines)],
-                                             bundles=[plan_mod.engine_bundles(plan, e) for e in range(plan.engines)]),
-                              cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt), seconds=took)
-        self.startup.mark("actors up (trainer ranks + vLLM engines)")
-        self.startup.parts("actors up (trainer ranks + vLLM engines)",
-                           [("trainer ranks: process start, imports, Megatron build", took[0]),
-                            ("vLLM engines: process start, engine up, warm-up generate", took[1])]
-                           + actor_parts(requested, self.trainers.infos, "trainer rank")
-                           + actor_parts(requested, self.generators.infos, "vLLM engine"), concurrent=True)
-        transport = refit.connect(self.trainers, self.generators, cfg.refit.transport, cfg.topology.device,
-                                  timeout_s=cfg.refit.timeout_s)
-        self.startup.mark("refit transport set up")
-        log(f"actors up in {time.time() - t0:.1f}s; refit {cfg.refit.mode} over {transport}")
-        print(self.trainers.peft_statistics, flush=True)
-        self._print_actor_logs()
-
-    def _print_actor_logs(self) -> None:
-        from launcher.cluster import worker_setup
-
-        d = worker_setup.log_dir(self.run_dir)
-        lines = [f"  trainer rank {i['rank']}: {worker_setup.path_for(d, i['pid'], i['hostname'])}"
-                 for i in self.trainers.infos]
-        lines += [f"  vLLM engine {e}: {worker_setup.path_for(d, i['pid'], i.get('hostname'))}"
-                  for e, i in enumerate(self.generators.infos)]
-        log("actor logs:\n" + "\n".join(lines))
-
-    def prompts_from(self, tokenizer) -> None:
-        """The prompt sets, encoded with the model's tokenizer (its chat template when it has one)."""
-        try:
-            self._read_prompts(tokenizer)
-        except ConfigError as e:  # a file changed since submission, messages without a template, ...
-            raise StepFailed(f"data: {e}") from None
-
-    def _read_prompts(self, tokenizer) -> None:
-        cfg = self.cfg
-        self.dataset = data.PromptDataset(cfg.data.train, cfg.data.seed, cfg.data)
-        validating = cfg.data.validation is not None and (cfg.grpo.val_period or cfg.grpo.val_at_start)
-        self.val_set = data.PromptDataset(cfg.data.validation, cfg.data.seed, cfg.data, "data.validation") \
-            if validating else None
-        encoder = data.PromptEncoder(tokenizer, cfg.data)
-        limit = data.max_prompt_tokens(cfg.data, cfg.grpo.max_total_sequence_length, cfg.grpo.max_new_tokens)
-        self.prompts = data.Prompts(self.dataset, encoder, limit)
-        log(f"data: {len(self.dataset)} training records from {cfg.data.train}"
-            + (" through the tokenizer's chat template" if encoder.template else " as plain text")
-            + f"; prompts over {limit} tokens are skipped")
-        self.val = None
-        if self.val_set is not None:
-            examples, ids, skipped = data.Prompts(self.val_set, encoder, limit).all(cfg.grpo.val_max_examples)
-            self.val = (examples, ids)
-            log(f"validation: {len(examples)} records from {cfg.data.validation}"
-                + (f" ({skipped} longer than {limit} tokens dropped)" if skipped else ""))
-
-    def shutdown(self) -> None:
-        self.rewards.close()
-        for group in (self.generators, self.trainers):
-            if group is not None:
-                try:
-                    group.shutdown()
-                except Exception as e:  # noqa: BLE001 - shutting down anyway
-                    log(f"shutdown: {type(e).__name__}: {e}")
-
-    # ------------------------------------------------------------------ one step
     def phase(self, name: str) -> None:
         self.ctx.progress["phase"] = name
 
-    def refit(self) -> dict:
-        from workers.refit import control as refit
+    def named_failures(self, fn, *args):
+        return named_failures(self.ctx, self.plan, self, fn, *args)
 
-        self.phase("refit")
-        actors = self.trainers.actors
-        report = refit.run_refit(lambda: [a.refit_payload.remote(self.cfg.refit.mode, self.cfg.refit.bucket_mb)
-                                          for a in actors], self.generators, self.cfg.refit.mode)
-        return {"timing/transfer_and_update_weights": report.transfer_and_update_weights_s,
-                "refit/bytes": report.bytes, "refit/tensors": report.tensors}
-
-    def validate(self, step: int) -> dict:
+    # ------------------------------------------------------------------ one step
+    def validate(self, step: int, row: dict, at_start: bool = False) -> None:
+        """Greedy validation with the weights of `step` (the trainers hold them now)."""
         self.phase("validation")
-        t = time.perf_counter()
-        m = validation(self.cfg, self.generators, self.val, self.rewards, step)
-        m["timing/validation"] = time.perf_counter() - t
+        refit, m = self.pipeline.validate(step, self.data.val, step)
+        add_refit(row, refit)
         log(f"validation after step {step}: reward {m['val/reward']:.3f}  accuracy {m['val/accuracy']:.3f}"
             + (f"  ({m['val/reward_errors']} reward errors)" if m["val/reward_errors"] else ""))
-        return m
+        row.update({f"{k}_at_start": v for k, v in m.items()} if at_start else m)
 
-    def train_step(self, step: int, position: int) -> tuple[dict, int]:
-        """One step from data position `position`: (metrics, the position after it)."""
+    def rollout(self, step: int, row: dict) -> pipeline.RolloutResult:
+        """Launch what the schedule launches now and wait for the rollout of `step`."""
+        self.pipeline.launch(through=step + self.lag, trainer_version=step - 1)
+        self.phase("generation")
+        got = self.pipeline.get(step)
+        add_refit(row, got.refit)
+        row.update(got.metrics)
+        if got.metrics["data/dropped_prompts"]:
+            log(f"step {step}: skipped {got.metrics['data/dropped_prompts']} prompt(s) longer than "
+                f"{self.data.prompts.max_tokens} tokens (data.max_prompt_tokens)")
+        return got
+
+    def learn(self, step: int, got: pipeline.RolloutResult) -> dict:
+        """Advantages, logprobs and one optimizer step on a rollout: the row's train/* metrics."""
         from launcher.driver.agreement import agreement_metrics
 
-        g = self.cfg.grpo
-        t = time.perf_counter()
-        self.phase("generation")
-        rollout, position, m = collect(self.cfg, self.generators, self.prompts, self.rewards, step, position)
-        m["timing/generation"] = time.perf_counter() - t
-        if m["data/dropped_prompts"]:
-            log(f"step {step}: skipped {m['data/dropped_prompts']} prompt(s) longer than {self.prompts.max_tokens} "
-                f"tokens (data.max_prompt_tokens)")
+        g, rollout = self.cfg.grpo, got.rollout
         adv = advantages.compute(rollout.rewards, g,
                                  advantages.overlong_penalty([len(x) for x in rollout.response_ids], g))
-        batch = build_batch(rollout, adv, self.tokenizer.pad_token_id or 0)
+        batch = build_batch(rollout, adv, self.data.pad_id)
+        m: dict = {}
         t = time.perf_counter()
         self.phase("logprobs")
         batch["prev_logprobs"] = self.trainers.logprobs(batch)
@@ -180,52 +122,65 @@ class GrpoRun:
         self.phase("training")
         train = self.trainers.train(batch)
         m["timing/training"] = time.perf_counter() - t
-        m.update({"train/reward": sum(rollout.rewards) / len(rollout.rewards),
-                  "train/token_mult_prob_error": agree["token_mult_prob_error"],
-                  "train/gen_kl_error": agree["gen_kl_error"],
-                  "train/mean_response_tokens": float(batch["loss_mask"].sum()) / len(rollout.rewards)})
+        m["train/reward"] = sum(rollout.rewards) / len(rollout.rewards)
+        lag = (step - 1) - got.version
+        if lag == 0:  # generated with the weights the trainers scored it with: engine vs trainer alone
+            m.update({"train/token_mult_prob_error": agree["token_mult_prob_error"],
+                      "train/gen_kl_error": agree["gen_kl_error"]})
+        if self.lag:
+            # generation vs the trainers' weights, `lag` steps newer: what the importance weight corrects
+            m.update({"pipeline/lag": lag, "pipeline/generated_with": got.version,
+                      "pipeline/off_policy_kl": agree["gen_kl_error"]})
+        m["train/mean_response_tokens"] = float(batch["loss_mask"].sum()) / len(rollout.rewards)
         m.update({f"train/{k}": v for k, v in train.items() if isinstance(v, (int, float)) or hasattr(v, "item")})
         m["sample"] = rollout.texts[0]
-        return m, position
+        return m
 
     # ------------------------------------------------------------------ the loop
+    def resume(self) -> tuple[int, int, list[pipeline.RolloutResult]]:
+        """Load the checkpoint `+resume` names: (its step, the data position, the rollouts it holds)."""
+        ckpt = self.ckpts.resolve(self.cfg.resume)
+        check_compatible(ckpt.path, self.cfg)
+        info = ckpt.info()
+        self.phase("resume")
+        restored = self.named_failures(self.trainers.load_state, str(ckpt.path / "trainer"))
+        step, position = int(info["step"]), int(info["consumed_prompts"])
+        log(f"resumed from {ckpt.path} (step {step}, {position} prompts consumed; trainer {restored})")
+        ahead, why = pipeline.restore(ckpt.path, info, self.cfg, self.lag)
+        if ahead:
+            log(f"pipeline: the rollouts of step(s) {', '.join(str(r.step) for r in ahead)} come from the "
+                f"checkpoint (generated with the weights of step(s) {', '.join(str(r.version) for r in ahead)})")
+        elif why:
+            log(f"pipeline: restarts at step {step} ({why}): the next {self.lag + 1} rollout(s) are generated "
+                f"with the weights of step {step}")
+        return step, position, ahead
+
     def run(self) -> dict:
         cfg = self.cfg
         g = cfg.grpo
-        step, position = 0, 0
-        if cfg.resume:
-            ckpt = self.ckpts.resolve(cfg.resume)
-            check_compatible(ckpt.path, cfg)
-            info = ckpt.info()
-            self.phase("resume")
-            restored = self.named_failures(self.trainers.load_state, str(ckpt.path / "trainer"))
-            step, position = int(info["step"]), int(info["consumed_prompts"])
-            log(f"resumed from {ckpt.path} (step {step}, {position} prompts consumed; trainer {restored})")
+        step, position, ahead = self.resume() if cfg.resume else (0, 0, [])
+        self.pipeline = pipeline.Pipeline(cfg, self.generators, self.refit, self.data.prompts, self.rewards,
+                                          self.lag, step, position, ahead, progress=self.ctx.progress)
         metrics = MetricsLogger(self.run_dir, cfg.logging, g.max_num_steps, resumed_step=step)
         self.startup.mark(("resume + " if cfg.resume else "") + "metrics writers (TensorBoard)")
-        first_step = step + 1
-        stale, last_saved = True, step
+        first_step, last_saved = step + 1, step
         config_yaml = (self.run_dir / paths.CONFIG).read_text()
         try:
             while step < g.max_num_steps and not self.stop.is_set():
                 step += 1
                 self.ctx.progress["step"] = step
                 t0 = time.perf_counter()
-                row: dict = {"timing/transfer_and_update_weights": 0.0, "refit/bytes": 0}
+                row: dict = {REFIT_SECONDS: 0.0, "refit/bytes": 0}
                 try:
-                    if stale:  # the trainer changed since the last push (always true after a train step)
-                        row.update(self.refit())
-                    if step == 1 and g.val_at_start and self.val is not None:
-                        row.update({f"{k}_at_start": v for k, v in self.validate(0).items()})
-                    m, position = self.train_step(step, position)
-                    row.update(m)
-                    stale = True
-                    if self.val is not None and g.val_period and (step % g.val_period == 0):
-                        pushed = self.refit()  # validate the weights this step produced
-                        key = "timing/transfer_and_update_weights"
-                        row.update({**pushed, key: row[key] + pushed[key]})
-                        stale = False
-                        row.update(self.validate(step))
+                    if step == 1 and g.val_at_start and self.data.val is not None:
+                        self.validate(0, row, at_start=True)
+                    got = self.rollout(step, row)
+                    position = got.position
+                    row.update(self.learn(step, got))
+                    if self.data.val is not None and g.val_period and (step % g.val_period == 0):
+                        self.validate(step, row)
+                    if self.lag:
+                        row.update(self.pipeline.timings())
                     row["timing/total_step"] = time.perf_counter() - t0
                     if self.ckpts.due(step, g.max_num_steps, stopping=self.stop.is_set()):
                         self.save(step, position, row, config_yaml)
@@ -241,6 +196,7 @@ class GrpoRun:
                 self.save(step, position, {}, config_yaml)
         finally:
             metrics.close()
+            self.pipeline.close()
         rows = read(self.run_dir / paths.METRICS)
         plot(rows, self.run_dir / "reward.png")
         table = summary(rows)
@@ -249,17 +205,6 @@ class GrpoRun:
         stopped = self.stop.is_set() and step < g.max_num_steps
         log(("stopped" if stopped else "finished") + f" at step {step}/{g.max_num_steps}\n" + table)
         return {"step": step, "stopped": stopped}
-
-    def named_failures(self, fn, *args):
-        """fn(*args), with a failure (a dead actor, a lost node) said in one line as a StepFailed: a
-        ClusterError, so retry.max_restarts restarts the run after start-up or resume failures too.
-        A user's mistake (ConfigError) stays what it is."""
-        try:
-            return fn(*args)
-        except (StepFailed, ConfigError):
-            raise
-        except Exception as e:  # noqa: BLE001 - named and re-raised
-            raise StepFailed(describe(e, self.ctx, self.plan, self.trainers, self.generators)) from e
 
     def startup_done(self, row: dict) -> None:
         name = f"step {self.ctx.progress['step']} (this run's first)"
@@ -271,8 +216,6 @@ class GrpoRun:
     def check_disk(self, step: int) -> None:
         """Refuse to start a save that cannot fit: estimated from the last checkpoint's size (or the
         trainable parameters: weights + two Adam moments in float32)."""
-        import shutil
-
         done = self.ckpts.complete()
         trainable = self.trainers.infos[0]["num_parameters"]["trainable"]
         need = size_of(done[-1].path) if done else 12 * trainable + (1 << 20)
@@ -284,22 +227,33 @@ class GrpoRun:
                              f"(free space or set checkpointing.dir)")
 
     def save(self, step: int, position: int, row: dict, config_yaml: str) -> None:
+        """The trainers' state and, with the pipeline, the rollouts already launched for the steps
+        after `step` (waited for: the engines keep generating while the trainers write)."""
         self.phase("checkpoint")
         self.check_disk(step)
         t = time.perf_counter()
         tmp = self.ckpts.begin(step)
         self.trainers.save_state(str(tmp / "trainer"))
-        metrics = {k: v for k, v in row.items() if isinstance(v, (int, float))}
-        ckpt = self.ckpts.commit(tmp, step, {"consumed_prompts": position, "metrics": metrics}, config_yaml)
+        info = {"consumed_prompts": position, "metrics": {k: v for k, v in row.items() if isinstance(v, (int, float))}}
+        ahead = self.pipeline.ahead(step)
+        if ahead:
+            info["pipeline"] = pipeline.save(tmp, ahead, self.cfg, self.lag)
+        ckpt = self.ckpts.commit(tmp, step, info, config_yaml)
         row["timing/checkpoint"] = time.perf_counter() - t
-        log(f"checkpoint {ckpt.path} ({row['timing/checkpoint']:.1f}s)")
+        log(f"checkpoint {ckpt.path} ({row['timing/checkpoint']:.1f}s"
+            + (f"; with the rollouts of step(s) {', '.join(str(r.step) for r in ahead)}" if ahead else "") + ")")
 
 
 def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event | None = None) -> dict:
-    grpo = GrpoRun(cfg, plan, ctx, stop)
+    startup = Startup.since_process_start(ctx.startup)  # phases end to end, see driver.startup
+    rewards = rewards_mod.Rewards(cfg.reward, cfg.data.answer_key, ctx.run_dir)
+    parts = Workers()
     try:
         ctx.progress["phase"] = "start-up"
-        grpo.named_failures(grpo.start)
+        named_failures(ctx, plan, parts, start, cfg, plan, ctx, startup, parts)
+        grpo = GrpoRun(cfg, ctx, parts.trainers, parts.generators, parts.refit, parts.data, rewards, stop, plan,
+                       startup)
         return grpo.run()
     finally:
-        grpo.shutdown()
+        rewards.close()
+        parts.shutdown()

@@ -86,8 +86,8 @@ def summary(rows: list[dict]) -> str:
     lines = [
         f"{'steps':<34} {first['step']} -> {last['step']}",
         f"{'reward (first -> last ' + str(k) + ' steps)':<34} {start:.3f} -> {end:.3f}",
-        f"{'max gen_kl_error':<34} {max(float(r['train/gen_kl_error']) for r in rows):.3e}",
-        f"{'max token_mult_prob_error':<34} {max(float(r['train/token_mult_prob_error']) for r in rows):.6f}",
+        f"{'max gen_kl_error':<34} {_max(rows, 'train/gen_kl_error', '.3e')}",
+        f"{'max token_mult_prob_error':<34} {_max(rows, 'train/token_mult_prob_error', '.6f')}",
         f"{'seconds per step (mean)':<34} {mean('timing/total_step'):.2f}",
         f"{'seconds per refit (mean)':<34} {mean('timing/transfer_and_update_weights'):.3f}",
         f"{'bytes per refit':<34} {int(mean('refit/bytes')):,}",
@@ -101,6 +101,13 @@ def summary(rows: list[dict]) -> str:
         if total:
             lines.append(f"{label:<34} {total}")
     return "\n".join(lines)
+
+
+def _max(rows: list[dict], key: str, fmt: str) -> str:
+    """The largest value of `key`; a pipelined run logs the agreement only on the steps generated
+    with the weights the trainers scored them with (launcher.driver.grpo.GrpoRun.learn)."""
+    values = [float(r[key]) for r in rows if key in r]
+    return f"{max(values):{fmt}}" if values else "- (no step generated with the trained weights)"
 
 
 def validation_points(rows: list[dict]) -> list[tuple[int, float, float]]:
@@ -132,9 +139,15 @@ def plot(rows: list[dict], out: Path) -> Path | None:
         a.legend()
     a.set(xlabel="step", ylabel="mean reward", title="reward")
     a.grid(alpha=0.3)
-    b.semilogy(steps, [max(float(r["train/gen_kl_error"]), 1e-18) for r in rows], marker="o", label="gen_kl_error")
-    b.semilogy(steps, [max(float(r["train/token_mult_prob_error"]) - 1.0, 1e-18) for r in rows], marker="x",
-               label="token_mult_prob_error - 1")
+    agree = [r for r in rows if "train/gen_kl_error" in r]
+    b.semilogy([r["step"] for r in agree], [max(float(r["train/gen_kl_error"]), 1e-18) for r in agree], marker="o",
+               label="gen_kl_error")
+    b.semilogy([r["step"] for r in agree], [max(float(r["train/token_mult_prob_error"]) - 1.0, 1e-18) for r in agree],
+               marker="x", label="token_mult_prob_error - 1")
+    lagged = [r for r in rows if "pipeline/off_policy_kl" in r and "train/gen_kl_error" not in r]
+    if lagged:
+        b.semilogy([r["step"] for r in lagged], [max(float(r["pipeline/off_policy_kl"]), 1e-18) for r in lagged],
+                   marker=".", linestyle=":", label="off_policy_kl (pipelined steps)")
     b.set(xlabel="step", title="train vs generation logprobs")
     b.legend()
     b.grid(alpha=0.3)

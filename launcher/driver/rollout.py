@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from launcher.config.schema import Config
+from workers.contracts import TrainerBatch
 
 
 def request_seed(run_seed: int, step: int, prompt: int, sample: int) -> int:
@@ -107,8 +108,8 @@ def validation(cfg: Config, generators, val, rewards, step: int) -> dict:
             "val/reward_errors": r.reward_errors, "val/sample": r.texts[0]}
 
 
-def build_batch(r: Rollout, adv: list[float], pad_id: int) -> dict:
-    """docs/architecture.md's batch: prompt + response right-padded; value at t = log p(x_t | x_<t)."""
+def build_batch(r: Rollout, adv: list[float], pad_id: int) -> TrainerBatch:
+    """workers.contracts.TrainerBatch: prompt + response right-padded; value at t = log p(x_t | x_<t)."""
     import torch
 
     lengths = [len(p) + len(s) for p, s in zip(r.prompt_ids, r.response_ids)]
@@ -121,5 +122,5 @@ def build_batch(r: Rollout, adv: list[float], pad_id: int) -> dict:
         input_ids[i, : len(p) + len(s)] = torch.tensor(p + s, dtype=torch.long)
         loss_mask[i, len(p): len(p) + len(s)] = 1.0
         gen_lp[i, len(p): len(p) + len(s)] = torch.tensor(lp, dtype=torch.float32)
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "generation_logprobs": gen_lp,
-            "advantages": torch.tensor(adv, dtype=torch.float32)}
+    return TrainerBatch(input_ids=input_ids, loss_mask=loss_mask, generation_logprobs=gen_lp,
+                        advantages=torch.tensor(adv, dtype=torch.float32))

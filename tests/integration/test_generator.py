@@ -300,19 +300,23 @@ def test_adapter_refit_matches_peft_model_and_the_trainer(lora_engine, engines, 
 
 def test_broadcast_transport_gloo_through_actors(engines, trainers, model_dir):
     """The NCCL path's code over gloo: trainer rank 0 hosts the group, each vLLM worker joins."""
-    assert refit.connect(trainers, engines, "gloo", "cpu") == "gloo"
+    sync = refit.make_refit(trainers, engines, "gloo", "cpu", "merged", 0.05)
+    assert sync.transport == "gloo" and not sync.deferrable
+    sync.connect()
     try:
         ps = prompts(3, seed=10)
-        for mode in ("merged", "merged_delta"):
+        for version, mode in enumerate(("merged", "merged_delta"), start=1):
             train_step(trainers, engines)
-            report = refit.run_refit(lambda: [a.refit_payload.remote(mode, 0.05) for a in trainers.actors],
-                                     engines, mode)
+            sync.mode = mode
+            assert sync.is_stale(version)
+            report = sync.push(version)
+            assert not sync.is_stale(version) and sync.is_stale(version + 1)
             assert report.transport == "broadcast" and report.bytes > 0 and report.transfer_and_update_weights_s > 0
             assert report.buckets > 1
             assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
     finally:
-        trainers.close_refit_group()
-        engines.transport = "ray"
+        sync.close()
+    assert engines.transport == "ray" and sync.generators_version is None
 
 
 def test_a_workers_loader_error_ends_the_broadcast_refit_naming_it(trainers, model_dir):
@@ -331,7 +335,8 @@ def test_a_workers_loader_error_ends_the_broadcast_refit_naming_it(trainers, mod
                            ready_timeout_s=300, actor_cls=RecordingGenerator)
     bad = "model.layers.1.self_attn.o_proj.weight"
     try:
-        assert refit.connect(trainers, group, "gloo", "cpu", timeout_s=900) == "gloo"
+        sync = refit.make_refit(trainers, group, "gloo", "cpu", "merged", 0.05, timeout_s=900)
+        sync.connect()
         timeouts = [ray.get(trainers.actors[0].__ray_call__.remote(lambda t: t.refit_sender.transport.group.timeout_s))]
         timeouts += ray.get([a.__ray_call__.remote(lambda g: g.llm.collective_rpc(
             lambda w: w._refit_receivers()["broadcast"].group.timeout_s)[0]) for a in group.actors])

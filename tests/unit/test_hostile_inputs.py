@@ -71,6 +71,15 @@ def _ckpt(run: str, step: int, info: dict | None = None, saved_config: bool = Fa
     return setup
 
 
+def _ROLLOUTS(step: int, version: int = 5, position: int = 48, logprob: float = -0.5, tokens: int = 2,
+              prompt: list | None = None) -> dict:
+    """rollouts.json as a pipelined checkpoint at step 5 holds it (one prompt, one sample)."""
+    return {"max_lag": 1, "sampling": {}, "rollouts": [
+        {"step": step, "version": version, "position": position, "metrics": {}, "refit": {},
+         "rollout": {"prompt_ids": [prompt or [1, 2]], "response_ids": [[3, 4]], "generation_logprobs": [[logprob] * tokens],
+                     "rewards": [1.0], "texts": ["x"], "truncated": [False], "reward_errors": 0}}]}
+
+
 # tiny_llama's config.json as transformers writes it (the keys of a published Llama config.json,
 # scaled in depth and width to the built-in recipe, so no model fact differs from the conf)
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "head_dim": 32,
@@ -212,6 +221,26 @@ CASES = [
           ("metrics-list", {"step": 5, "consumed_prompts": 0, "metrics": [1]}, "metrics: must be an object, got list"),
           ("other-step-than-folder", {"step": 7, "consumed_prompts": 0},
            "step: 7, but the folder is step_5; the checkpoint's records disagree, not resumable"),
+      ]],
+    # a pipelined checkpoint's rollouts generated ahead (launcher/driver/pipeline.py): its schema and its agreement
+    *[Case(f"forged-rollouts-{name}", ["run.name=p", "+resume=latest", *SLURM, "submit=false"], 2,
+           "resume: {root}/p/checkpoints/step_5/" + message,
+           setup=_ckpt("p", 5, info={"step": 5, "consumed_prompts": 40, "pipeline": {"max_lag": 1, "ahead": ahead}},
+                       files={"rollouts.json": json.dumps(body)} if body is not None else None))
+      for name, ahead, body, message in [
+          ("missing", [6], None, "rollouts.json: unreadable (No such file or directory)"),
+          ("ahead-not-steps", ["6"], _ROLLOUTS(6), "training_info.json: pipeline: ahead must be a list of step numbers"),
+          ("other-steps", [6], _ROLLOUTS(8), "rollouts.json: holds steps [8], training_info.json says [6] after step 5"),
+          ("future-weights", [6], _ROLLOUTS(6, version=6),
+           "rollouts.json: step 6 generated with weights 6 from data position 48"),
+          ("data-before-the-checkpoint", [6], _ROLLOUTS(6, position=8),
+           "rollouts.json: step 6 generated with weights 5 from data position 8"),
+          ("nan-logprob", [6], _ROLLOUTS(6, logprob=float("nan")), "rollouts.json: not valid JSON (NaN is not JSON)"),
+          ("logprobs-short", [6], _ROLLOUTS(6, tokens=3), "rollouts.json: rollouts: [0].rollout.generation_logprobs "
+                                                           "must be one finite number per response token"),
+          ("token-ids-text", [6], _ROLLOUTS(6, prompt=["a"]), "rollouts.json: rollouts: [0].rollout.prompt_ids: "
+                                                               "prompt ids must be lists of token ids"),
+          ("lag-too-big", [6], {**_ROLLOUTS(6), "max_lag": 99}, "rollouts.json: max_lag: must be at most 16, got 99"),
       ]],
     Case("trainer-state-at-another-step", ["run.name=t", "+resume=step_5", *SLURM, "submit=false"], 2,
          "resume: {root}/t/checkpoints/step_5/training_info.json: step: 5, but the trainer state in "

@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from launcher.config.schema import Vllm
 from workers import cpu_shim, hf_checkpoint
+from workers.contracts import Generation, GeneratorInfo
 from workers.refit.transports import BroadcastTransport, RayTransport
 
 EXTENSION = "workers.refit.vllm_extension.RefitWorkerExtension"
@@ -105,16 +106,6 @@ class GeneratorConfig(Vllm):
         return kw
 
 
-@dataclass
-class Generation:
-    """One request's result: the sampled tokens with the engine's logprob of each."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finish_reason: str | None
-
-
 class VllmGenerator:
     """One vLLM engine (use as a Ray actor: ray.remote(VllmGenerator).options(...).remote(config))."""
 
@@ -147,14 +138,12 @@ class VllmGenerator:
                                                                 uuid.uuid4().hex[:12])
         self.transport = RayTransport.name
 
-    def info(self) -> dict:
+    def info(self) -> GeneratorInfo:
         import socket
 
-        return {"pid": os.getpid(), "hostname": socket.gethostname(), "start_seconds": self.start_seconds,
-                "startup": self.startup,
-                "model": self.config.model,
-                "device": self.config.device, "enable_lora": self.config.enable_lora,
-                "adapter_id": self._adapter_id}
+        return GeneratorInfo(pid=os.getpid(), hostname=socket.gethostname(), start_seconds=self.start_seconds,
+                             startup=self.startup, model=self.config.model, device=self.config.device,
+                             enable_lora=self.config.enable_lora, adapter_id=self._adapter_id)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], temperature: float = 1.0, top_p: float = 1.0,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from workers.generator.actor import Generation, GeneratorConfig, VllmGenerator
+from workers.contracts import Generation, GeneratorInfo
+from workers.generator.actor import GeneratorConfig, VllmGenerator
 from workers.generator.placement import in_placement_group
 from workers.refit.transports import BroadcastTransport, RayTransport
 
@@ -32,6 +33,8 @@ def split_evenly(n: int, parts: int) -> list[slice]:
 
 
 class GeneratorGroup:
+    infos: list[GeneratorInfo]   # one per engine, in engine order (workers.contracts.Generators)
+
     def __init__(self, config: GeneratorConfig | Mapping[str, Any], actor_options: Sequence[Mapping[str, Any]],
                  ready_timeout_s: float | None = None, actor_cls: type = VllmGenerator,
                  bundles: Sequence[list[dict] | None] | None = None):

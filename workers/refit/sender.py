@@ -1,7 +1,7 @@
 """Refit, trainer side: what trainer rank 0 runs to ship its weights (or LoRA factors) to the generators.
 
 The trainer actor holds one `Sender`. It sends through the Ray object store until the driver opens
-the broadcast group (`open_group`, on rank 0; `control.connect`), then through that group until
+the broadcast group (`open_group`, on rank 0; `control.BroadcastRefit.connect`), then through that group until
 `close_group`. Changing the transport forgets what was sent, so the next refit resends the layout.
 Every rank runs `payload` (the export is a collective over the model-parallel group); ranks other
 than 0 drop each exported tensor as it comes, rank 0 streams them into buckets: no rank holds the

@@ -17,7 +17,7 @@ go (NeMo RL runs a metadata pass of the export instead; per-bucket headers cost 
   BroadcastTransport  a process group of trainer rank 0 + all vLLM workers (rank 0 = source),
                       rendezvous through a TCP store on rank 0's node; NCCL on cuda (as upstream),
                       gloo on CPU (how the same code path is tested here). Created and warmed up by
-                      one broadcast when the run starts (`control.connect`), so NCCL's communicator
+                      one broadcast when the run starts (`control.BroadcastRefit.connect`), so NCCL's communicator
                       exists before the first refit; both sides use `refit.timeout_s`.
 
 The broadcast protocol of one refit (every message is a broadcast from rank 0; a control value c

@@ -23,7 +23,7 @@ The rest of refit, one module per process side:
   transports.py      how buckets get there: one class per transport (Ray object store, broadcast group)
   sender.py          trainer rank 0: the trainer's tensors -> a transport -> RefitPayload
   vllm_extension.py  every vLLM worker: a transport -> tensors -> the engine's weights
-  control.py         the driver: picks and connects the transport, runs one refit, RefitReport
+  control.py         the driver: one refit object per transport (connect, push, take/deliver), RefitReport
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from workers import cpu_shim, hf_checkpoint
 from workers.refit.sender import Sender
 from workers.refit.transports import DEFAULT_TIMEOUT_S
 from workers.refit.wire import guard_names
+from workers.contracts import TrainerBatch, TrainerInfo
 from workers.trainer import build, gather, state
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import grpo_loss
@@ -126,13 +127,13 @@ class MegatronTrainer:
     def _make_scheduler(self):
         return build.make_scheduler(self.optimizer, self.cfg)
 
-    def info(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "node_ip": node_address()[0],
-                "hostname": socket.gethostname(), "pid": os.getpid(), "device": self.device,
-                "dp_rank": self.dp_rank, "dp_size": self.dp_size, "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size, "pp_rank": self.pp_rank, "pp_size": self.pp_size,
-                "is_output_rank": self._is_output_rank(), "peft_statistics": self.peft_statistics,
-                "num_parameters": self.num_parameters, "step": self.step, "startup": self.startup}
+    def info(self) -> TrainerInfo:
+        return TrainerInfo(rank=self.rank, world_size=self.world_size, node_ip=node_address()[0],
+                           hostname=socket.gethostname(), pid=os.getpid(), device=self.device,
+                           dp_rank=self.dp_rank, dp_size=self.dp_size, tp_rank=self.tp_rank,
+                           tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+                           is_output_rank=self._is_output_rank(), peft_statistics=self.peft_statistics,
+                           num_parameters=self.num_parameters, step=self.step, startup=self.startup)
 
     def _is_output_rank(self) -> bool:
         """One rank per DP shard returns results (TP rank 0 of the last pipeline stage)."""
@@ -223,7 +224,7 @@ class MegatronTrainer:
         return holder[0]
 
     # ----------------------------------------------------------------- public API
-    def logprobs(self, batch: dict, adapters: bool = True):
+    def logprobs(self, batch: TrainerBatch, adapters: bool = True):
         """float32 [B, T] logprobs of this rank's shard; None on ranks that are not output ranks."""
         if not adapters and self.lora is None:
             raise ValueError("adapters=False (the reference policy) needs peft.enabled; full fine-tuning "
@@ -242,7 +243,7 @@ class MegatronTrainer:
         result = self._from_last_stage(torch.cat(out).float().cpu()[:, :t] if out else None)
         return result if self.tp_rank == 0 else None
 
-    def train(self, batch: dict) -> dict:
+    def train(self, batch: TrainerBatch) -> dict:
         """One optimizer step of the GRPO loss on this rank's DP shard of the global batch."""
         t0 = time.time()
         mask = batch["loss_mask"].float()

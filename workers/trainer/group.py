@@ -19,6 +19,7 @@ import ray
 import torch
 
 from launcher.config.schema import TRAIN_SLOT
+from workers.contracts import TrainerBatch, TrainerInfo
 from workers.trainer.actor import MegatronTrainer
 from workers.trainer.config import TrainerConfig
 
@@ -48,6 +49,9 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
 
 
 class TrainerGroup:
+    infos: list[TrainerInfo]     # one per rank, in rank order (workers.contracts.Trainers)
+    peft_statistics: str
+
     def __init__(self, config: TrainerConfig, actor_options: Optional[list[dict]] = None,
                  num_ranks: Optional[int] = None, poll_s: float = 1.0,
                  actor_cls: type[MegatronTrainer] = MegatronTrainer):
@@ -112,7 +116,7 @@ class TrainerGroup:
         return [(shards[info["dp_rank"]],) for info in self.infos]
 
     # ----------------------------------------------------------------- the trainer API
-    def logprobs(self, batch: dict, adapters: bool = True):
+    def logprobs(self, batch: TrainerBatch, adapters: bool = True) -> torch.Tensor:
         answers = self._call("logprobs", per_rank_args=[(s[0], adapters) for s in self._shards(batch)])
         by_dp: dict[int, Any] = {}
         for info, answer in zip(self.infos, answers):
@@ -120,7 +124,7 @@ class TrainerGroup:
                 by_dp[info["dp_rank"]] = answer
         return torch.cat([by_dp[d] for d in range(self.dp_size)])
 
-    def train(self, batch: dict) -> dict:
+    def train(self, batch: TrainerBatch) -> dict:
         return self._call("train", per_rank_args=self._shards(batch))[0]
 
     def export_merged(self) -> list[tuple[str, Any]]:
