@@ -80,11 +80,16 @@ class FakeTrainers:
                 "is_weight_mean": float(w.sum() / batch["loss_mask"].sum())}
 
     def save_state(self, directory: str) -> None:
-        Path(directory).mkdir(parents=True)
-        (Path(directory) / "state.json").write_text(json.dumps({"version": self.version}))
+        """A trainer state as the trainers write it (the checkpoint's commit verifies it): its step
+        is the fake's weights version."""
+        from tests.helpers.checkpoints import trainer_state
+
+        trainer_state(Path(directory), self.version)
 
     def load_state(self, directory: str) -> dict:
-        self.version = json.loads((Path(directory) / "state.json").read_text())["version"]
+        from workers.trainer.state import saved_trainer_info
+
+        self.version = saved_trainer_info(directory)["step"]
         return {"step": self.version}
 
     def shutdown(self) -> None:

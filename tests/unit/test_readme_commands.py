@@ -51,6 +51,7 @@ HERE = {
     "python -m launcher topology=ultra_6n4g +resume=step_5": Row("as printed", rc=2, shows=(  # the recipe's model
         "error: model.path: /models/nvidia/nemotron-3-ultra is not a directory")),
     "sbatch runs/<run>/ray_job.sbatch": Row("hint"),
+    "python -m launcher grpo.pipeline.enabled=true": Row("submit=false", shows="nothing was run"),
     "python -m launcher --cfg job topology=slurm_2n peft.dim=8": Row("as printed", shows="  dim: 8\n"),
     "python -m launcher -m topology=slurm_2n peft.dim=8,16,32 optim.lr=1e-2,3e-2":
         Row("submit=false", shows="(6 point(s); record: sweep.jsonl)"),
@@ -74,6 +75,7 @@ HERE = {
     "--max-lora-rank R --dtype float32": Row("serve"),
     "python -m launcher model=tiny_qwen3_moe topology.train.expert_parallel=2": Row("submit=false",
                                                                                    shows="nothing was run"),
+    "python -m launcher model=tiny_nemotron_h": Row("submit=false", shows="nothing was run"),
 }
 
 
