@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from launcher import paths
 from launcher import plan as plan_mod
-from launcher.config import model_facts
+from launcher.config import model_facts, model_rules
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
 from launcher.config.schema import (BUILTIN_MODELS, LORA_MODULES, REFIT_MODES, REFIT_TRANSPORTS as TRANSPORTS,
@@ -62,9 +62,11 @@ def _paths(cfg: Config) -> list[ConfigError]:
 
 
 def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
+    """The model's facts are resolved (launcher.config.model_facts: from config.json or the built-in
+    recipe) before this runs; unresolved (None) ones belong to a dry run for a checkpoint elsewhere."""
     m = cfg.model
     errs = []
-    if m.family not in model_facts.supported_families():
+    if m.family is not None and m.family not in model_facts.supported_families():
         errs.append(ConfigError("model.family", f"must be one of {', '.join(model_facts.supported_families())}, "
                                                 f"got {m.family!r}"))
     if m.dtype not in DTYPES:
@@ -75,37 +77,31 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
                                                      f"{', '.join(sorted(BUILTIN_MODELS))}; got {m.builtin!r}"))
     elif submitting or paths.model_dir(cfg).exists():
         errs += _model_dir(cfg)
-    if m.num_attention_heads % max(m.num_query_groups, 1):
+    if m.num_attention_heads and m.num_query_groups and m.num_attention_heads % m.num_query_groups:
         errs.append(ConfigError("model.num_query_groups", f"must divide num_attention_heads = "
                                                           f"{m.num_attention_heads}, got {m.num_query_groups}"))
-    return errs
+    return errs + (model_rules.errors(m, cfg.topology.device) if not errs else [])
 
 
 def _model_dir(cfg: Config) -> list[ConfigError]:
-    """A local HF checkpoint: a directory whose config.json is readable and of a supported family."""
+    """A local HF checkpoint: a directory with a config.json (which gave the facts; model_facts.apply)."""
     m = cfg.model
     path = paths.model_dir(cfg)
-    cfg_file = path / "config.json"
     if not path.is_dir():
         return [ConfigError("model.path", f"{m.path} is not a directory (a local HF checkpoint is needed)")]
-    if not cfg_file.is_file():
+    if not (path / "config.json").is_file():
         return [ConfigError("model.path", f"{m.path} has no config.json (a local HF checkpoint is needed)")]
-    try:  # the numbers themselves came from it (model_facts.apply); here: readable and supported
-        facts, architectures = model_facts.read(path)
-        model_facts.check_supported(facts, architectures, str(cfg_file))
-    except ConfigError as e:
-        return [e]
     return []
 
 
 def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
     m, tr, gen = cfg.model, cfg.topology.train, cfg.topology.generation
     errs = []
-    if tr.tensor_parallel >= 1 and m.num_query_groups % tr.tensor_parallel:
+    if m.num_query_groups and tr.tensor_parallel >= 1 and m.num_query_groups % tr.tensor_parallel:
         errs.append(ConfigError("topology.train.tensor_parallel",
                                 f"must divide model.num_query_groups = {m.num_query_groups} (a TP rank holds whole "
                                 f"query groups), got {tr.tensor_parallel}"))
-    if tr.pipeline_parallel >= 1 and m.num_layers % tr.pipeline_parallel:
+    if m.num_layers and tr.pipeline_parallel >= 1 and m.num_layers % tr.pipeline_parallel:
         errs.append(ConfigError("topology.train.pipeline_parallel",
                                 f"must divide model.num_layers = {m.num_layers}, got {tr.pipeline_parallel}"))
     if m.num_experts == 0 and tr.expert_parallel != 1:
@@ -114,7 +110,7 @@ def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
     elif m.num_experts and tr.expert_parallel >= 1 and m.num_experts % tr.expert_parallel:
         errs.append(ConfigError("topology.train.expert_parallel",
                                 f"must divide model.num_experts = {m.num_experts}, got {tr.expert_parallel}"))
-    if gen.tensor_parallel >= 1 and m.num_attention_heads % gen.tensor_parallel:
+    if m.num_attention_heads and gen.tensor_parallel >= 1 and m.num_attention_heads % gen.tensor_parallel:
         errs.append(ConfigError("topology.generation.tensor_parallel",
                                 f"must divide model.num_attention_heads = {m.num_attention_heads} (vLLM splits "
                                 f"heads), got {gen.tensor_parallel}"))
@@ -122,7 +118,7 @@ def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
 
 
 def _layer_modules(cfg: Config) -> list[str]:
-    mods = LORA_MODULES.get(cfg.model.family, ())
+    mods = LORA_MODULES.get(cfg.model.family or "", ())
     return [f"decoder.layers.{i}.{mod}" for i in range(cfg.model.num_layers) for mod in mods]
 
 
@@ -146,8 +142,8 @@ def _peft(cfg: Config) -> list[ConfigError]:
         errs.append(ConfigError("peft.lora_dtype", f"must be null or one of {', '.join(DTYPES)}, got {p.lora_dtype!r}"))
     if not p.target_modules:
         errs.append(ConfigError("peft.target_modules", "is empty: name at least one module, e.g. [linear_qkv]"))
-    if cfg.model.family not in LORA_MODULES:
-        return errs  # model.family is reported; its modules are unknown
+    if cfg.model.family not in LORA_MODULES or not cfg.model.num_layers:
+        return errs  # model.family is reported (or not resolved): its modules are unknown
     names = _layer_modules(cfg)
     short = sorted({n.rsplit(".", 1)[1] for n in names})
     for target in p.target_modules:
