@@ -108,9 +108,12 @@ PUBLISHED = {"Llama-3.2-1B": llama_3_2_1b, "Qwen2.5-0.5B-Instruct": qwen2_5_0_5b
 FAMILY = {name: make()["model_type"] for name, make in PUBLISHED.items()}
 
 
-def build(name: str, cache: Path, config: dict | None = None) -> Path:
-    """The fixture `name` (a key of PUBLISHED) as a checkpoint directory `cache/name`; `config`
-    replaces its config.json (a variant of it) when given."""
+def build(name: str, cache: Path) -> Path:
+    """The fixture `name` (a key of PUBLISHED) as a checkpoint directory `cache/name`. Weights are drawn
+    with std 0.08 * sqrt(128 / hidden_size): the logits' scale of the 128-wide built-in models (a wider
+    model at their 0.08 has twice as sharp logits, and float32 differences between two correct
+    implementations grow with them)."""
     from workers import tiny_models
 
-    return tiny_models.build_from_config(Path(cache) / name, config or PUBLISHED[name]())
+    config = PUBLISHED[name]()
+    return tiny_models.build_from_config(Path(cache) / name, config, init_std=0.08 * (128 / config["hidden_size"]) ** 0.5)
