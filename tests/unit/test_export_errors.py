@@ -142,6 +142,15 @@ def test_base_model_of_another_family(capsys, make_checkpoint, tiny_model):
                    "(wrong --base-model?)")
 
 
+def test_base_model_of_another_shape(capsys, make_checkpoint, tiny_model):
+    """The run's facts (config.yaml) give the layout; a base of the same family but another shape is refused."""
+    ckpt = make_checkpoint(attention_lora())
+    g4 = tiny_model("tiny_llama_g4")
+    assert_refused(run_export(capsys, ckpt, "--base-model", str(g4)),
+                   f"{g4.resolve()}/config.json is not shaped like the model {ckpt}/config.yaml trained: hidden_size "
+                   f"128 -> 160; num_attention_heads 4 -> 8; num_query_groups 2 -> 4 (wrong --base-model?)")
+
+
 def test_missing_base_model(capsys, make_checkpoint, tmp_path):
     ckpt = make_checkpoint(attention_lora())
     assert_refused(run_export(capsys, ckpt, "--base-model", str(tmp_path / "nowhere")),
