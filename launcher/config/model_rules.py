@@ -7,11 +7,13 @@ honoured, in one line. The facts are the resolved `model:` section (launcher.con
 so a rule speaks of config.json where the facts came from one (ConfigError key `model.path`) and
 of the `model.<key>` otherwise.
 
-Rope: megatron-core's GPTModel has plain RoPE, `rope_scaling` (llama3) and YaRN
-(models/common/embeddings: RotaryEmbedding, YarnRotaryEmbedding). Its llama3 scaling takes only
+Rope: megatron-core's GPTModel has plain RoPE, `rope_scaling` (llama3), YaRN and linear position
+interpolation (models/common/embeddings: RotaryEmbedding, YarnRotaryEmbedding); the first three are
+supported, checked against HF and vLLM by tests/e2e/test_published_models.py (linear, which only
+Megatron-Bridge's Llama bridge maps and nothing here tests, is refused). Its llama3 scaling takes only
 the factor: low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192 are
 fixed in RotaryEmbedding._apply_scaling (the values of every Llama 3.x checkpoint), so other values
-are refused. YaRN is applied from every parameter of the facts (workers/trainer/model_facts.py),
+are refused. YaRN is applied from every parameter of the facts (workers/trainer/provider_facts.py),
 except an explicit attention_factor, which megatron-core does not take. vLLM implements all of
 these exactly as transformers does (vllm/model_executor/layers/rotary_embedding).
 
@@ -38,9 +40,8 @@ def _rope(m: Model) -> list[tuple[str, str]]:
         return []
     kind = rope.get("rope_type")
     if kind not in ROPE_TYPES:
-        return [("rope_scaling", f"rope_scaling.rope_type {kind!r}: megatron-core's GPTModel implements no such "
-                                 f"rotary embedding, training would use another position encoding than vLLM "
-                                 f"(honoured: plain RoPE, {', '.join(ROPE_TYPES)})")]
+        return [("rope_scaling", f"rope_scaling.rope_type {kind!r} is not supported (supported: plain RoPE, "
+                                 f"{', '.join(ROPE_TYPES)}: the types megatron-core is checked to compute as vLLM does)")]
     if rope.get("factor") is None:
         return [("rope_scaling", f"rope_scaling.factor is missing ({kind} needs it)")]
     out = []
