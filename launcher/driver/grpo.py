@@ -54,7 +54,10 @@ class GrpoRun:
         cfg, plan = self.cfg, self.plan
         self.startup.mark("driver imports (torch, transformers, workers)")
         t0 = time.time()
-        self.model_dir = models.ensure(cfg)
+        try:
+            self.model_dir = models.ensure(cfg)
+        except ConfigError as e:  # the checkpoint changed since submission
+            raise StepFailed(str(e)) from None
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.prompts_from(self.tokenizer)
         self.startup.mark("model files ready (+ tokenizer)")
