@@ -111,11 +111,19 @@ def test_nemotron_h_recipes_are_valid(overrides):
     assert errors(*overrides) == []
 
 
-def test_the_reference_topologys_placement_smoke_stand_in_is_a_valid_nemotron_h():
-    from tests.slurm.test_ultra_placement import STAND_IN
+def test_the_reference_topologys_placement_smoke_stand_in_is_a_valid_nemotron_h(tmp_path):
+    """tests/slurm/test_ultra_placement.py's model: its facts (a checkpoint's) fit ultra_6n4g."""
+    from launcher.config.compose import compose
+    from tests.helpers.nemotron_h import ultra_stand_in
 
-    assert "model=tiny_nemotron_h" in STAND_IN
-    assert errors("topology=ultra_6n4g", "run.job=placement_smoke", *STAND_IN) == []
+    stand_in = ultra_stand_in(tmp_path)
+    assert errors("topology=ultra_6n4g", "run.job=placement_smoke", *stand_in) == []
+    m = compose(["topology=ultra_6n4g", *stand_in]).model
+    assert (m.family, m.num_experts, m.num_attention_heads, m.num_query_groups, m.family_facts.mamba_num_heads,
+            m.family_facts.n_groups) == ("nemotron_h", 16, 8, 8, 8, 2)
+    # the facts are the checkpoint's: stated numbers do not make a stand-in (the recipe's 4 experts stay)
+    assert "must divide model.num_experts = 4, got 16" in " ".join(
+        errors("topology=ultra_6n4g", "run.job=placement_smoke", "model=tiny_nemotron_h", "model.num_experts=16"))
 
 
 def test_tensor_parallel_must_divide_the_mamba_heads_and_groups(tmp_path):
