@@ -222,3 +222,20 @@ def test_a_mamba_in_proj_b_stored_in_parts_is_joined_in_hf_row_order(capsys, mak
                        torch.cat(list(parts.values())))
     assert torch.equal(tensors["base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight"], a)
 
+
+def test_a_hybrid_base_of_another_layer_pattern_or_mamba_shape_is_refused(capsys, make_checkpoint, tiny_model,
+                                                                          tmp_path):
+    """Nemotron-H's own shape facts (model_facts.shape_keys: the layer pattern, Mamba sizes) count as
+    the common ones do: the same heads and widths with other layers or Mamba groups is another model."""
+    from launcher.config.schema import BUILTIN_MODELS
+    from workers import tiny_models
+
+    other = tiny_models.build(tmp_path / "other", "tiny_nemotron_h", spec={
+        **BUILTIN_MODELS["tiny_nemotron_h"], "hybrid_override_pattern": "M*EM-*", "n_groups": 4})
+    ckpt = nemotron_h_checkpoint(make_checkpoint, tiny_model, {
+        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_in.weight": torch.randn(R, HIDDEN),
+        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight": torch.randn(4 * 48 + 2 * 2 * 48, R)})
+    assert_refused(run_export(capsys, ckpt, "--base-model", str(other)),
+                   f"{other.resolve()}/config.json is not shaped like the model {ckpt}/config.yaml trained: "
+                   f"family_facts.hybrid_override_pattern 'M*EM*-' -> 'M*EM-*'; family_facts.n_groups 2 -> 4 "
+                   f"(wrong --base-model?)")

@@ -36,15 +36,22 @@ for d in sys.argv[2:]:
         setattr(provider, flag, False)  # CPU: as workers.trainer.build does
     provider.finalize()
     other = dataclasses.replace(facts, num_query_groups=1, qk_norm=not facts.qk_norm, rope_theta=10000.0)
+    if facts.family == "nemotron_h":  # its own facts: the layer pattern and the Mamba groups
+        other = dataclasses.replace(other, family_facts={**facts.family_facts, "n_groups": 1,
+                                                         "hybrid_override_pattern": "M" * facts.num_layers})
     out[d.rsplit("/", 1)[1]] = {"bridge_alone": bridge_alone, "applied": provider_facts.check(provider, facts),
                                 "other": provider_facts.check(provider, other)}
 print(json.dumps(out))
 """
 
 
+NEMOTRON_H = ("nemotron-3-nano-scaled", "tiny_nemotron_h-s0", "tiny_nemotron_h_dense-s0")
+
+
 @pytest.fixture(scope="module")
-def probed(model_cache):
+def probed(model_cache, nemotron_h_nano, tiny_model):
     dirs = [str(published_models.build(n, model_cache / "published")) for n in published_models.PUBLISHED]
+    dirs += [str(nemotron_h_nano), str(tiny_model("tiny_nemotron_h")), str(tiny_model("tiny_nemotron_h_dense"))]
     p = subprocess.run([sys.executable, "-c", PROBE, str(REPO), *dirs], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -66,9 +73,25 @@ def test_the_bridge_alone_leaves_yarn_half_set(probed):
         "head_dim: the run's 32, Megatron's kv_channels None", *YARN_LEFT_UNSET]
 
 
-@pytest.mark.parametrize("name", list(published_models.PUBLISHED))
+@pytest.mark.parametrize("name", [*published_models.PUBLISHED, *NEMOTRON_H])
 def test_applied_facts_are_what_megatron_builds(probed, name):
     assert probed[name]["applied"] == []
+
+
+@pytest.mark.parametrize("name", NEMOTRON_H)
+def test_nemotron_h_is_checked_on_its_pattern_and_mamba_sizes_too(probed, name):
+    """Nemotron-H (no rotary embedding: nothing to complete): the Bridge maps every fact, and the
+    provider is checked on the layer pattern and Mamba groups as on the attention numbers."""
+    pattern = {"nemotron-3-nano-scaled": "MEMEM*E", "tiny_nemotron_h-s0": "M*EM*-",
+               "tiny_nemotron_h_dense-s0": "M*-M*-"}[name]
+    assert probed[name]["bridge_alone"] == []
+    assert probed[name]["other"] == [
+        "num_query_groups: the run's 1, Megatron's num_query_groups 2",
+        "qk_norm: the run's True, Megatron's qk_layernorm False",
+        "family_facts.n_groups: the run's 1, Megatron's mamba_num_groups 2",
+        f"family_facts.hybrid_override_pattern: the run's {'M' * len(pattern)!r}, Megatron's hybrid_layer_pattern "
+        f"{pattern!r}",
+        "rope_scaling: the run's position_embedding_type 'rope', Megatron's 'none'"]  # a rope_theta: RoPE expected
 
 
 def test_facts_megatron_would_build_otherwise_are_named(probed):
