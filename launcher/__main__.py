@@ -21,7 +21,6 @@ from launcher import sweep as sweep_mod
 from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
-from launcher.config import model_facts
 from launcher.config.compose import ConfigError
 from launcher.config.schema import typed
 from launcher.config.validate import validate
@@ -56,7 +55,8 @@ config groups (conf/<group>/<option>.yaml):
 
 common keys:
   dry_run=true            print the placement plan, the resolved config and the sbatch script; touch nothing
-  run.name=NAME           run directory <run.root>/NAME (default <topology>-<model>)
+  run.name=NAME           run directory <run.root>/NAME (default <topology>-<model>; with model.path, the
+                          checkpoint directory's name)
   grpo.max_num_steps=N    refit.mode=merged|merged_delta|adapter    peft.dim=R peft.alpha=A
   slurm.partition=P slurm.account=A slurm.time_min=M slurm.setup='[module load x]'
 
@@ -118,8 +118,9 @@ class Resolved:
 
 def _resolve(overrides: list[str], printing: bool = False) -> tuple[Resolved | None, list]:
     """Compose, validate and plan one run; (the run, []) or (None, its errors). Raises ConfigError."""
-    raw = config_mod.compose(overrides)
-    for note in model_facts.apply(raw):  # a checkpoint here is the source of its own architecture
+    notes: list[str] = []
+    raw = config_mod.compose(overrides, notes)  # the model's facts resolved: config.json or the built-in recipe
+    for note in notes:
         print(f"note: {note}", file=sys.stderr)
     cfg = typed(raw)
     submitting = not (cfg.dry_run or printing)

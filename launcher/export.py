@@ -10,8 +10,9 @@ messages and the exit codes. The adapter itself is written by `workers.lora.expo
   checkpoint   `launcher.driver.checkpoints.verify` (complete step_N), `config.yaml` read with the launcher's
                own schema (peft.dim / alpha, model.*); `trainer/` is read by `workers.lora.checkpoint`
                (LoRA entries only, from the DCP metadata; no model, no process group, no base weights)
-  base model   `--base-model`, else `launcher.paths.model_dir(config)`; its config.json gives the
-               attention shapes (heads, KV heads, head_dim; heads * head_dim may differ from hidden)
+  base model   `--base-model`, else `launcher.paths.model_dir(config)`; the run's model facts (config.yaml,
+               launcher.config.model_facts) give the layout (heads, KV groups, head_dim; heads * head_dim
+               may differ from hidden), and the base's config.json must have the same shape
   adapter      `workers.lora.export.export_adapter`: HF module names from Megatron-Bridge's registry,
                each checked against the base checkpoint's weight names and shapes
 Mistakes (missing/incomplete checkpoint, no adapters, rank mismatch, unknown module, wrong base) are
@@ -25,7 +26,7 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from launcher import files, paths
@@ -116,18 +117,27 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
                           "pass --base-model PATH")
     base = base.resolve()
     try:  # a config.json that is not an object, lacks the head counts or has a string for a number
-        model_facts.read(base)
+        base_facts, _ = model_facts.read(base)
     except ConfigError as e:
         raise ExportError(f"{e.message} (the base model, from {where})") from None
+    config_file = ckpt / paths.CONFIG
+    run_facts = model_facts.of_section(asdict(cfg.model))  # None: a checkpoint from before facts were saved
+    family = run_facts.family if run_facts else cfg.model.family
+    if family and base_facts.family != family:
+        raise ExportError(f"{base / 'config.json'} is a {base_facts.family} model but {config_file} "
+                          f"says model.family={family} (wrong --base-model?)")
+    differ = model_facts.shape_differences(run_facts, base_facts) if run_facts else []
+    if differ:
+        raise ExportError(f"{base / 'config.json'} is not shaped like the model {config_file} trained: "
+                          f"{'; '.join(differ)} (wrong --base-model?)")
 
     policy = files.Policy.of(cfg)
     if not out.parent.exists():
         files.make_dir(out.parent, policy)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        done = export_adapter(ckpt / paths.TRAINER, staging, base, family=cfg.model.family, dim=cfg.peft.dim,
-                              alpha=cfg.peft.alpha, peft_enabled=cfg.peft.enabled,
-                              config_file=ckpt / paths.CONFIG)
+        done = export_adapter(ckpt / paths.TRAINER, staging, base, facts=run_facts or base_facts, dim=cfg.peft.dim,
+                              alpha=cfg.peft.alpha, peft_enabled=cfg.peft.enabled, config_file=config_file)
         files.publish(staging, out, policy)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

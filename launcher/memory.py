@@ -17,14 +17,14 @@ merged_delta keeps its base tensors in host memory and moves one module at a tim
 in one line naming the key to change (validate.py calls `check`).
 
 GPU memory is `topology.gpu_memory_gib` (GB200 by default). The model's numbers come from
-`model_size(cfg)`, the one place that reads them: a checkpoint at model.path on this machine
-(its safetensors headers and config.json), else the `model.size` section (for a dry run of a
-checkpoint that is not here), else a built-in recipe's numbers; without any, there is no plan.
+`model_size(cfg)`: its architecture from the run's resolved facts (the `model:` section,
+launcher.config.model_facts), its parameter counts from a checkpoint at model.path on this
+machine (its safetensors headers), else the `model.size` section (for a dry run of a checkpoint
+that is not here), else a built-in recipe's estimate; without any, there is no plan.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -55,29 +55,39 @@ class ModelSize:
 
 
 def model_size(cfg: Config) -> ModelSize | None:
-    """The model's numbers the plan needs (see the module docstring for the order of sources)."""
+    """The model's numbers the plan needs (see the module docstring for the order of sources). The
+    architecture numbers are the run's resolved facts (launcher.config.model_facts: config.json or
+    the recipe, in the `model:` section); the parameter counts the checkpoint's headers, model.size,
+    or the recipe's estimate."""
     m = cfg.model
-    if m.path and Path(m.path).is_dir() and any(Path(m.path).glob("*.safetensors")):
-        return _from_checkpoint(Path(m.path))
-    s = getattr(m, "size", None)
+    if None in (m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, m.num_layers):
+        return None  # not resolved and not stated (a dry run for a checkpoint elsewhere)
     heads = dict(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, kv_heads=m.num_query_groups,
                  head_dim=m.head_dim)
+    attention = _attention_layers(m)
+    if m.path and Path(m.path).is_dir() and any(Path(m.path).glob("*.safetensors")):
+        return _from_checkpoint(Path(m.path), attention, heads)
+    s = getattr(m, "size", None)
     if s is not None and s.parameters:
         experts = s.expert_parameters or 0
         moe_layers = s.moe_layers or (m.num_layers if experts else 1)
         qkv = m.hidden_size * (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
         return ModelSize(parameters=s.parameters, expert_parameters=experts,
                          largest_module_parameters=max(math.ceil(experts / moe_layers), qkv),
-                         attention_layers=s.attention_layers or m.num_layers, source="model.size", **heads)
+                         attention_layers=s.attention_layers or attention, source="model.size", **heads)
     if m.path is None and m.builtin in BUILTIN_MODELS:
-        return _from_recipe(m.builtin, BUILTIN_MODELS[m.builtin])
+        return _from_recipe(m, attention, heads)
     return None
 
 
-def _from_checkpoint(path: Path) -> ModelSize:
-    from safetensors import safe_open  # headers only (numpy framework: no torch)
+def _attention_layers(m) -> int:
+    """Layers with a KV cache: a hybrid's attention (*) layers (its layer pattern, a family fact), else all."""
+    pattern = (m.family_facts or {}).get("hybrid_override_pattern")
+    return pattern.count("*") if isinstance(pattern, str) else m.num_layers
 
-    from launcher.config import model_facts
+
+def _from_checkpoint(path: Path, attention: int, heads: dict) -> ModelSize:
+    from safetensors import safe_open  # headers only (numpy framework: no torch)
 
     sizes: dict[str, int] = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -90,33 +100,25 @@ def _from_checkpoint(path: Path) -> ModelSize:
         moe = _LAYER_MODULE.match(name)
         key = moe.group(1) if moe else name.rsplit(".", 1)[0]
         modules[key] = modules.get(key, 0) + n
-    facts, _ = model_facts.read(path)
-    hf = json.loads((path / "config.json").read_text())
-    pattern = hf.get("hybrid_override_pattern")
-    blocks = hf.get("layers_block_type")
-    attention = (pattern.count("*") if isinstance(pattern, str) else
-                 sum(b == "attention" for b in blocks) if isinstance(blocks, list) else facts.num_layers)
     return ModelSize(parameters=sum(sizes.values()), expert_parameters=experts,
                      largest_module_parameters=max(modules.values(), default=0), attention_layers=attention,
-                     hidden_size=facts.hidden_size, num_attention_heads=facts.num_attention_heads,
-                     kv_heads=facts.num_query_groups, head_dim=facts.head_dim, source=f"{path} (safetensors headers)")
+                     source=f"{path} (safetensors headers)", **heads)
 
 
-def _from_recipe(name: str, r: dict) -> ModelSize:
-    """A built-in recipe's parameters (workers.tiny_models builds them; untied embeddings)."""
-    hidden, heads, kv, hd = r["hidden_size"], r["num_attention_heads"], r["num_key_value_heads"], r["head_dim"]
-    pattern = r.get("hybrid_override_pattern")
-    layers = len(pattern) if pattern else r["num_hidden_layers"]
-    attention = pattern.count("*") if pattern else layers
-    vocab = r.get("vocab_size", 512)  # the tiny tokenizer's vocabulary is smaller
-    qkv_o = hidden * (heads + 2 * kv) * hd + heads * hd * hidden
-    experts = r.get("num_experts", 0) * 3 * hidden * r.get("moe_intermediate_size", 0)
-    dense_mlp = 0 if experts else 3 * hidden * r["intermediate_size"]
-    total = 2 * vocab * hidden + attention * qkv_o + layers * (dense_mlp + experts)
-    return ModelSize(parameters=total, expert_parameters=layers * experts,
-                     largest_module_parameters=max(vocab * hidden, experts, 3 * hidden * r["intermediate_size"]),
-                     attention_layers=attention, hidden_size=hidden, num_attention_heads=heads, kv_heads=kv,
-                     head_dim=hd, source=f"built-in recipe {name} (estimate)")
+def _from_recipe(m, attention: int, heads: dict) -> ModelSize:
+    """A built-in recipe's parameters from its facts (workers.tiny_models builds them; untied embeddings)."""
+    hidden, nh, kv, hd, layers = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, m.num_layers
+    pattern = (m.family_facts or {}).get("hybrid_override_pattern")
+    vocab = BUILTIN_MODELS[m.builtin].get("vocab_size", 512)  # the tiny tokenizer's vocabulary is smaller
+    qkv_o = hidden * (nh + 2 * kv) * hd + nh * hd * hidden
+    experts = (m.num_experts or 0) * 3 * hidden * (m.moe_ffn_hidden_size or 0)   # one layer's
+    moe_layers = (pattern.count("E") if isinstance(pattern, str) else layers) if experts else 0
+    mlp_layers = pattern.count("-") if isinstance(pattern, str) else (0 if experts else layers)
+    dense_mlp = 3 * hidden * (m.ffn_hidden_size or 0)
+    total = 2 * vocab * hidden + attention * qkv_o + mlp_layers * dense_mlp + moe_layers * experts
+    return ModelSize(parameters=total, expert_parameters=moe_layers * experts,
+                     largest_module_parameters=max(vocab * hidden, experts, dense_mlp),
+                     attention_layers=attention, source=f"built-in recipe {m.builtin} (estimate)", **heads)
 
 
 # ------------------------------------------------------------------------------------------ the plan

@@ -25,7 +25,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from launcher.config.schema import BUILTIN_MODELS
+from launcher.config.schema import BUILTIN_COMMON, BUILTIN_MODELS
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = (
@@ -63,16 +63,16 @@ def _hf_config(recipe: dict, vocab_size: int, tokenizer):
     r = dict(recipe)
     family = r.pop("family")
     r.pop("vocab_size", None)
-    common = dict(vocab_size=vocab_size, max_position_embeddings=1024, tie_word_embeddings=False,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
+    common = dict(vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, **BUILTIN_COMMON)
+    rope = common.pop("rope_theta")  # Nemotron-H has no rotary embedding
     if family in ("llama", "qwen2"):
         cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
-        return cls(rms_norm_eps=1e-6, rope_theta=10000.0, **common, **r)
+        return cls(rms_norm_eps=1e-6, rope_theta=rope, **common, **r)
     if family == "qwen3":
-        return transformers.Qwen3Config(rms_norm_eps=1e-6, rope_theta=10000.0, **common, **r)
+        return transformers.Qwen3Config(rms_norm_eps=1e-6, rope_theta=rope, **common, **r)
     if family == "qwen3_moe":  # every layer sparse (decoder_sparse_step 1), top-k probabilities renormalised
-        return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=True,
+        return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=rope, norm_topk_prob=True,
                                            decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                                            router_aux_loss_coef=0.001, **common, **r)
     if family == "nemotron_h":  # the recipe names its layer pattern, Mamba sizes and experts
@@ -88,19 +88,39 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
     Idempotent: an existing complete directory built from the same recipe and seed is reused.
     Written into a temporary sibling and renamed, so concurrent builders never see half a model.
     """
-    transformers.utils.logging.disable_progress_bar()
-    out = Path(out_dir)
     spec = dict(spec or BUILTIN_MODELS[recipe])
     stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": spec}
     if chat:
         stamp["chat"] = True  # a ChatML tokenizer (make_tokenizer(chat=True))
+    tokenizer = make_tokenizer(chat)
+    vocab_size = max(spec.get("vocab_size", 0), len(tokenizer))
+    return _write(Path(out_dir), stamp, lambda: _hf_config(spec, vocab_size, tokenizer), tokenizer, seed, init_std)
+
+
+def build_from_config(out_dir: str | Path, config: dict, seed: int = 0, init_std: float = 0.08) -> Path:
+    """A random-weight checkpoint whose config.json is `config` as given (a published model's keys,
+    e.g. `rope_scaling` and `rope_theta` as the Hub's files spell them), with this module's
+    tokenizer: vocab_size and the special token ids are set to the tokenizer's. Idempotent."""
+    tokenizer = make_tokenizer()
+    config = {**config, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    stamp = {"config": config, "seed": seed, "init_std": init_std}
+
+    def hf_config():
+        kwargs = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
+        return transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+
+    return _write(Path(out_dir), stamp, hf_config, tokenizer, seed, init_std, config_json=config)
+
+
+def _write(out: Path, stamp: dict, hf_config, tokenizer, seed: int, init_std: float,
+           config_json: dict | None = None) -> Path:
+    transformers.utils.logging.disable_progress_bar()
     if (out / "tiny_model.json").exists() and json.loads((out / "tiny_model.json").read_text()) == stamp:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tokenizer = make_tokenizer(chat)
-    vocab_size = max(spec.get("vocab_size", 0), len(tokenizer))
-    cfg = _hf_config(spec, vocab_size, tokenizer)
+    cfg = hf_config()
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -120,6 +140,8 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
                 b.normal_(0.0, 0.05)
     model.eval().save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    if config_json is not None:  # the file as the publisher wrote it, not as this transformers re-serialises it
+        (tmp / "config.json").write_text(json.dumps({**config_json, "torch_dtype": "float32"}, indent=2))
     (tmp / "tiny_model.json").write_text(json.dumps(stamp, indent=1))
     if out.exists():
         shutil.rmtree(out)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config.schema import SCHEMA_SECTIONS, Config, ConfigError, expected  # ConfigError: the CLI's error type
+from launcher.config import model_facts
+from launcher.config.schema import SCHEMA_SECTIONS, Config, ConfigError, Model, expected  # ConfigError: the CLI's error type
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "optim", "refit", "checkpointing", "slurm")
@@ -21,8 +22,10 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def compose(overrides: list[str]) -> DictConfig:
-    """Compose conf/config.yaml with `overrides`, resolve every interpolation, raise ConfigError."""
+def compose(overrides: list[str], notes: list[str] | None = None) -> DictConfig:
+    """Compose conf/config.yaml with `overrides`, resolve the model's facts (model_facts.apply: before
+    the interpolations, so `run.name`'s default names the checkpoint), resolve every interpolation;
+    raise ConfigError. The facts' notes (a conf number the checkpoint contradicts) go to `notes`."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -48,6 +51,13 @@ def compose(overrides: list[str]) -> DictConfig:
         raise ConfigError(_override_of(e, overrides), _hydra_message(e)) from None
     except OmegaConfBaseException as e:
         raise ConfigError(getattr(e, "full_key", None) or "config", _first_line(e)) from None
+    explicit = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    try:
+        found = model_facts.apply(cfg, explicit)
+    except OmegaConfBaseException as e:  # an interpolation in the model section that cannot resolve
+        raise ConfigError(str(getattr(e, "full_key", "model")), _first_line(e)) from None
+    if notes is not None:
+        notes.extend(found)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
@@ -62,6 +72,9 @@ def _register_schema_sections() -> None:
     store = ConfigStore.instance()
     for name, node in SCHEMA_SECTIONS.items():
         store.store(group="schema", name=name, node=node)
+    # the `model:` keys, typed, under whichever model group (a group states only what it knows: a
+    # built-in recipe's yaml no architecture numbers, model_facts.apply resolves them)
+    store.store(group="schema", name="model", node=Model)
 
 
 def _check_group_choice(override: str) -> None:

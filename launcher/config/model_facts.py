@@ -1,10 +1,26 @@
-"""A checkpoint is the source of its own architecture: model facts read from its config.json.
+"""The model's facts, resolved once: read from model.path's config.json (or the built-in recipe),
+written into the run's `model:` section, and the only architecture numbers anything reads.
 
-With `model.path` pointing at a local HF checkpoint, `apply(raw)` replaces the architecture numbers
-of the `model:` section (family, num_layers, hidden_size, num_attention_heads, num_query_groups,
-head_dim, num_experts, moe_router_topk) by what the checkpoint's config.json says, and returns one
-note per number the conf had differently (a disagreement is a note, not an error). The numbers in
-conf/model/*.yaml only serve dry runs for a checkpoint that is not on this machine.
+`apply(raw)` runs inside launcher.config.compose, before interpolations resolve: it replaces the
+`model:` section's facts (FACT_KEYS: family, shape, experts, tied embeddings, q/k/v bias, q/k
+norm, rope) by what the checkpoint's config.json says (`model.path`), or what the built-in
+recipe builds (`model.builtin`), names the run's model after the checkpoint directory, and
+returns one note per number the conf had differently (a disagreement is a note; the conf's value
+is gone). The run's config.yaml then holds the facts; the trainer (Bridge build, refit layout),
+the driver, validation and the exporter read them there, and the job checks at start that the
+checkpoint still says the same (`differences`). Where model.path is not on this machine (a dry
+run planning for a cluster) the facts are whatever the chosen `model=` group states, possibly
+nothing; a submission needs the checkpoint here, so a submitted run always has resolved facts.
+
+Reading is HF's: `read_hf` takes a config.json as transformers writes it (both the older
+`rope_scaling` + `rope_theta` spelling of the Hub's files and transformers 5's
+`rope_parameters`), fills what the family's HF class assumes for an absent key (`FAMILIES`), and
+normalises rope scaling to {rope_type, every parameter with HF's default filled in}. A family
+adds its own facts with a `Family.read` (kept under `model.family_facts`); what the training
+stack cannot honour is refused by launcher.config.model_rules. Nemotron-H's own facts: its layer
+pattern (either spelling: `hybrid_override_pattern`, or transformers 5's `layers_block_type`; it
+counts the layers, and only E layers have experts), Mamba-2 heads, head dim, groups and state, and
+its shared expert; the pattern and the sizes are shape facts too (`shape_keys`).
 
 The family is HF's `model_type`. It is supported when (a) Megatron-Bridge registers a bridge for
 one of the checkpoint's `architectures` and (b) our LoRA layout knows the family
@@ -20,43 +36,174 @@ registry (AutoBridge.from_hf_pretrained); a registration this reading missed wou
 Where Megatron-Bridge is not installed (a laptop planning a cluster run), (a) is not checked.
 
 Robust reading: a config.json that is not a JSON object, a missing key or a value of the wrong
-type is one ConfigError naming the file and the key.
-
-Hybrid models (Nemotron-H) have more facts, `hybrid_facts` (at the end of this module): the layer
-pattern (which also counts the layers, and has experts only where it has E layers), Mamba heads,
-groups and state, shared experts. Validation reads them from the checkpoint or the built-in recipe.
+type is one ConfigError naming the file and the key. Torch-free: the workers import it too (the
+one reader of a checkpoint's facts).
 """
 
 from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass, fields
+import re
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from launcher.config.schema import FAMILIES, ConfigError
+from launcher.config.schema import BUILTIN_COMMON, BUILTIN_MODELS, FAMILIES, ConfigError
 
-# The model: keys filled from config.json, and the HF keys they come from. HF names differ per
-# family for the expert numbers; these are the names Megatron-Bridge's CONFIG_MAPPING reads.
+# HF names differ per family for the expert numbers; these are the names Megatron-Bridge's
+# CONFIG_MAPPING reads.
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    family: str
+    """What a checkpoint is, in the `model:` section's names (every field is a key there)."""
+
+    family: str                      # HF model_type
     num_layers: int
     hidden_size: int
     num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    num_experts: int
-    moe_router_topk: int
+    num_query_groups: int            # num_key_value_heads
+    head_dim: int                    # heads * head_dim may differ from hidden_size
+    num_experts: int                 # 0: dense
+    moe_router_topk: int             # experts per token (0: dense)
+    ffn_hidden_size: int             # intermediate_size (the dense MLP's)
+    moe_ffn_hidden_size: int         # moe_intermediate_size (one expert's; 0: dense)
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool                    # RMSNorm on every query and key head (Qwen3)
+    rope_theta: Optional[float]      # None: no rotary embedding
+    rope_scaling: dict               # {}: plain RoPE (or none); else {"rope_type": ..., parameters}
+    max_position_embeddings: Optional[int]
+    family_facts: dict = field(default_factory=dict)   # the family's own (Family.read)
+
+    def as_section(self) -> dict:
+        return asdict(self)
 
 
 FACT_KEYS = tuple(f.name for f in fields(ModelFacts))
+# the facts that decide tensor shapes (what an adapter must match); rope, biases and norms change the
+# function, not the shapes
+SHAPE_KEYS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+              "num_experts", "moe_router_topk", "ffn_hidden_size", "moe_ffn_hidden_size")
+
+
+def _count_layers(r: "_Reader") -> int:
+    # hybrid models (Nemotron-H in transformers 5) list their blocks instead of counting them
+    blocks = r.hf.get("layers_block_type")
+    if isinstance(blocks, list) and blocks and r.hf.get("num_hidden_layers") is None:
+        return len(blocks)
+    return r.positive("num_hidden_layers")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the family's HF class assumes where config.json is silent, and its own facts."""
+
+    qkv_bias: Callable[["_Reader"], bool] = lambda r: r.flag("attention_bias", False)
+    qk_norm: bool = False
+    rope: bool = True                                   # False: the family has no rotary embedding
+    read: Callable[["_Reader"], dict] = lambda r: {}    # -> family_facts
+    adjust: Callable[["_Reader", dict], dict] = lambda r, common: common   # the common facts, as the family means them
+    layers: Callable[["_Reader"], int] = _count_layers  # num_layers
+    shapes: tuple[str, ...] = ()    # the family_facts that decide tensor shapes too (shape_keys)
+
+
+def _llama(r: "_Reader") -> dict:
+    return {"mlp_bias": r.flag("mlp_bias", False)}
+
+
+def _qwen(r: "_Reader") -> dict:
+    return {"use_sliding_window": r.flag("use_sliding_window", False)}
+
+
+def _qwen3_moe(r: "_Reader") -> dict:
+    return {**_qwen(r), "decoder_sparse_step": r.positive("decoder_sparse_step", default=1),
+            "mlp_only_layers": r.int_list("mlp_only_layers")}
+
+
+# Nemotron-H (hybrid): one symbol per layer, megatron's and the published hybrid_override_pattern's
+# (M Mamba-2, * attention, - MLP, E MoE); transformers 5 writes layers_block_type instead, with these
+# names (and their older spellings)
+HYBRID_SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
+_BLOCK_SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
+                  "moe": "E"}
+NEMOTRON_H_SHAPES = ("hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
+                     "moe_shared_expert_intermediate_size")
+
+
+def _hybrid_pattern(r: "_Reader") -> str:
+    """The layer pattern, from either spelling (it also counts the layers)."""
+    pattern, blocks = r.hf.get("hybrid_override_pattern"), r.hf.get("layers_block_type")
+    if pattern is not None:
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
+            raise r.error("hybrid_override_pattern", f"must be a string of {''.join(HYBRID_SYMBOLS)} (one per "
+                                                     f"layer), got {pattern!r}")
+        return pattern
+    if blocks is None:
+        raise r.error("hybrid_override_pattern", "is missing (a Nemotron-H config.json names its layers: "
+                                                 "hybrid_override_pattern or layers_block_type)")
+    if not isinstance(blocks, list) or not blocks or not all(isinstance(b, str) and b in _BLOCK_SYMBOLS
+                                                             for b in blocks):
+        raise r.error("layers_block_type", f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, got {blocks!r}")
+    return "".join(_BLOCK_SYMBOLS[b] for b in blocks)
+
+
+def _nemotron_h_facts(r: "_Reader") -> dict:
+    """The layer pattern, Mamba-2 heads / head dim / groups / state (where it has M layers; n_groups as
+    NemotronHConfig defaults it), shared experts (where it has E layers: transformers builds one
+    shared expert of moe_shared_expert_intermediate_size per MoE layer)."""
+    pattern = _hybrid_pattern(r)
+    heads = r.positive("mamba_num_heads") if "M" in pattern else 0
+    groups = r.positive("n_groups", default=8) if heads else 0
+    if heads and heads % groups:
+        raise r.error("n_groups", f"{groups} must divide mamba_num_heads {heads}")
+    moe = "E" in pattern
+    return {"hybrid_override_pattern": pattern, "mamba_num_heads": heads,
+            "mamba_head_dim": r.positive("mamba_head_dim") if heads else 0, "n_groups": groups,
+            "ssm_state_size": r.positive("ssm_state_size") if heads else 0,
+            "n_shared_experts": r.count("n_shared_experts", default=1) if moe else 0,
+            "moe_shared_expert_intermediate_size":
+                r.positive("moe_shared_expert_intermediate_size", default=7688) if moe else 0}
+
+
+def _nemotron_h(r: "_Reader", common: dict) -> dict:
+    """Nemotron-H's config.json carries MoE numbers (transformers' defaults) whether or not a block is
+    MoE: only a pattern with MoE blocks (E) has experts, and then they route to 1..n_routed_experts."""
+    pattern = _hybrid_pattern(r)
+    if "E" not in pattern:
+        common.update(num_experts=0, moe_router_topk=0, moe_ffn_hidden_size=0)
+    elif not 1 <= common["moe_router_topk"] <= common["num_experts"]:
+        raise r.error("num_experts_per_tok", f"must be in [1, n_routed_experts = {common['num_experts']}] for the "
+                                             f"E layers of {pattern!r}, got {common['moe_router_topk']}")
+    return common
+
+
+FAMILY_FACTS: dict[str, Family] = {
+    "llama": Family(read=_llama),
+    "qwen2": Family(qkv_bias=lambda r: True, read=_qwen),   # Qwen2Attention: q/k/v always biased, o_proj never
+    "qwen3": Family(qk_norm=True, read=_qwen),
+    "qwen3_moe": Family(qk_norm=True, read=_qwen3_moe),
+    "nemotron_h": Family(rope=False, read=_nemotron_h_facts, adjust=_nemotron_h,
+                         layers=lambda r: len(_hybrid_pattern(r)), shapes=NEMOTRON_H_SHAPES),
+}
+
+# rope scaling parameters per type, with the default transformers' rope functions use for an
+# absent one (modeling_rope_utils: _compute_yarn_parameters, _compute_llama3_parameters, ...);
+# None: required. original_max_position_embeddings defaults to max_position_embeddings (HF's
+# standardize_rope_params).
+ROPE_PARAMETERS: dict[str, dict[str, Any]] = {
+    "linear": {"factor": None},
+    "dynamic": {"factor": None},
+    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None,
+               "original_max_position_embeddings": "max_position_embeddings"},
+    "yarn": {"factor": None, "original_max_position_embeddings": "max_position_embeddings", "beta_fast": 32.0,
+             "beta_slow": 1.0, "truncate": True, "mscale": None, "mscale_all_dim": None,
+             "attention_factor": None},
+}
 
 
 def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
@@ -70,65 +217,132 @@ def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
         raise ConfigError("model.path", f"{cfg_file} is not valid JSON: {e}") from None
     if not isinstance(hf, dict):
         raise ConfigError("model.path", f"{cfg_file} must hold a JSON object, got {type(hf).__name__}")
-    reader = _Reader(hf, cfg_file)
+    return read_hf(hf, str(cfg_file))
+
+
+def read_hf(hf: Mapping[str, Any], where: str) -> tuple[ModelFacts, list[str]]:
+    """(facts, architectures) of a config.json's content; `where` names it in errors."""
+    reader = _Reader(hf, where)
     family = reader.string("model_type")
     architectures = hf.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise ConfigError("model.path", f"{cfg_file}: architectures must be a list of strings, "
-                                        f"got {architectures!r}")
+        raise ConfigError("model.path", f"{where}: architectures must be a list of strings, got {architectures!r}")
+    kind = FAMILY_FACTS.get(family, Family())
     heads = reader.positive("num_attention_heads")
     hidden = reader.positive("hidden_size")
     groups = reader.positive("num_key_value_heads", default=heads)
     if hf.get("head_dim") is None and hidden % heads:
-        raise ConfigError("model.path", f"{cfg_file}: has no head_dim and hidden_size {hidden} is not a "
+        raise ConfigError("model.path", f"{where}: has no head_dim and hidden_size {hidden} is not a "
                                         f"multiple of num_attention_heads {heads}")
     head_dim = reader.positive("head_dim", default=hidden // heads)
     if heads % groups:
-        raise ConfigError("model.path", f"{cfg_file}: num_key_value_heads {groups} must divide "
+        raise ConfigError("model.path", f"{where}: num_key_value_heads {groups} must divide "
                                         f"num_attention_heads {heads}")
     experts = reader.first_count(EXPERT_KEYS)
     topk = reader.first_count(TOPK_KEYS) if experts else 0
-    hybrid = hybrid_facts(hf, cfg_file)
-    if hybrid is not None:  # experts exist only where its layer pattern has E layers
-        experts, topk = hybrid.num_experts, hybrid.moe_router_topk
+    layers = kind.layers(reader)
+    max_positions = reader.positive("max_position_embeddings", default=0) or None
+    theta, scaling = _rope(reader, max_positions) if kind.rope else (None, {})
+    common = dict(
+        family=family, num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        head_dim=head_dim, num_experts=experts, moe_router_topk=topk,
+        ffn_hidden_size=reader.positive("intermediate_size", default=0),
+        moe_ffn_hidden_size=reader.positive("moe_intermediate_size", default=0) if experts else 0,
+        tie_word_embeddings=reader.flag("tie_word_embeddings", False), qkv_bias=kind.qkv_bias(reader),
+        qk_norm=kind.qk_norm, rope_theta=theta, rope_scaling=scaling, max_position_embeddings=max_positions)
+    common = kind.adjust(reader, common)
+    experts, topk = common["num_experts"], common["moe_router_topk"]
     if experts and not 1 <= topk <= experts:
-        raise ConfigError("model.path", f"{cfg_file}: an MoE model needs num_experts_per_tok in "
+        raise ConfigError("model.path", f"{where}: an MoE model needs num_experts_per_tok in "
                                         f"[1, {experts}], got {topk}")
-    # hybrid models (Nemotron-H in transformers 5) list their blocks instead of counting them
-    blocks = hf.get("layers_block_type")
-    layers = (len(blocks) if isinstance(blocks, list) and blocks and hf.get("num_hidden_layers") is None
-              else reader.positive("num_hidden_layers"))
-    if hybrid is not None:  # its pattern counts the layers
-        layers = len(hybrid.pattern)
-    facts = ModelFacts(family=family, num_layers=layers, hidden_size=hidden,
-                       num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
-                       num_experts=experts, moe_router_topk=topk)
-    return facts, architectures
+    return ModelFacts(**common, family_facts=kind.read(reader)), architectures
+
+
+def _rope(r: "_Reader", max_positions: Optional[int]) -> tuple[float, dict]:
+    """(rope_theta, normalised rope scaling or {}) from either spelling of config.json."""
+    key = "rope_parameters" if isinstance(r.hf.get("rope_parameters"), dict) else "rope_scaling"
+    given = r.hf.get(key)
+    if given is not None and not isinstance(given, dict):
+        raise r.error(key, f"must be an object or null, got {given!r}")
+    params = dict(given or {})
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    theta = params.pop("rope_theta", None)
+    theta = float(r.number("rope_theta", default=10000.0) if theta is None else r.number(f"{key}.rope_theta", theta))
+    if not isinstance(rope_type, str):
+        raise r.error(f"{key}.rope_type", f"must be a string, got {rope_type!r}")
+    if rope_type == "default":
+        return theta, {}
+    out: dict[str, Any] = {"rope_type": rope_type}
+    defaults = ROPE_PARAMETERS.get(rope_type, {})
+    for name in sorted(set(params) | set(defaults)):
+        value = params.get(name)
+        if value is None:
+            value = defaults.get(name)
+            if value == "max_position_embeddings":
+                value = max_positions
+        if value is None:
+            continue  # an optional parameter left out (yarn's mscale, attention_factor)
+        out[name] = value if name == "truncate" or isinstance(value, list) else r.number(f"{key}.{name}", value)
+    return theta, out
 
 
 class _Reader:
-    def __init__(self, hf: dict, cfg_file: Path):
-        self.hf, self.cfg_file = hf, cfg_file
+    def __init__(self, hf: Mapping[str, Any], where: str):
+        self.hf, self.where = hf, where
 
-    def _error(self, key: str, what: str) -> ConfigError:
-        return ConfigError("model.path", f"{self.cfg_file}: {key} {what}")
+    def error(self, key: str, what: str) -> ConfigError:
+        return ConfigError("model.path", f"{self.where}: {key} {what}")
 
     def string(self, key: str) -> str:
         value = self.hf.get(key)
         if value is None:
-            raise self._error(key, "is missing (a transformers config.json names its model_type)")
+            raise self.error(key, "is missing (a transformers config.json names its model_type)")
         if not isinstance(value, str) or not value:
-            raise self._error(key, f"must be a non-empty string, got {value!r}")
+            raise self.error(key, f"must be a non-empty string, got {value!r}")
         return value
 
     def positive(self, key: str, default: Optional[int] = None) -> int:
         value = self.hf.get(key)
         if value is None:
             if default is None:
-                raise self._error(key, "is missing")
+                raise self.error(key, "is missing")
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise self._error(key, f"must be a positive integer, got {value!r}")
+            raise self.error(key, f"must be a positive integer, got {value!r}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.hf.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {value!r}")
+        return value
+
+    def number(self, key: str, value: Any = None, default: Optional[float] = None) -> float:
+        value = self.hf.get(key) if value is None else value
+        if value is None:
+            return default  # type: ignore[return-value]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"must be a number, got {value!r}")
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        value = self.hf.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise self.error(key, f"must be a list of integers, got {value!r}")
+        return value
+
+    def count(self, key: str, default: int = 0) -> int:
+        """`key`: an integer >= 0 (`default` when absent or null)."""
+        value = self.hf.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self.error(key, f"must be an integer >= 0, got {value!r}")
         return value
 
     def first_count(self, keys: tuple[str, ...]) -> int:
@@ -138,9 +352,17 @@ class _Reader:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise self._error(key, f"must be an integer >= 0, got {value!r}")
+                raise self.error(key, f"must be an integer >= 0, got {value!r}")
             return value
         return 0
+
+
+def builtin_facts(recipe: str) -> ModelFacts:
+    """The facts of a built-in recipe (launcher.config.schema.BUILTIN_MODELS), as workers.tiny_models
+    builds it: the recipe's numbers plus BUILTIN_COMMON, read like any config.json."""
+    spec = dict(BUILTIN_MODELS[recipe])
+    family = spec.pop("family")
+    return read_hf({"model_type": family, **BUILTIN_COMMON, **spec}, f"the built-in recipe {recipe}")[0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -253,94 +475,86 @@ def check_supported(facts: ModelFacts, architectures: list[str], where: str) -> 
                                         f"supported families: {supported}")
 
 
-def apply(raw: Any) -> list[str]:
-    """Fill raw.model (a DictConfig) from model.path's config.json when it is here; return the notes."""
-    model = raw.get("model") if hasattr(raw, "get") else None
-    path = model.get("path") if model is not None else None
-    if not path or not (Path(str(path)) / "config.json").is_file():
-        return []
-    facts, architectures = read(str(path))
-    where = f"{path}/config.json"
-    check_supported(facts, architectures, where)
-    from omegaconf import open_dict
+def checkpoint_name(directory: str | Path) -> str:
+    """The run's name for a checkpoint directory: its name (a Hub cache snapshot, .../models--Org--Name/
+    snapshots/<hash>, is called Name), with characters a run name cannot hold replaced by '-'."""
+    parts = Path(directory).parts
+    name = parts[-1] if parts else "model"
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        name = parts[-3].split("--")[-1]
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", name).strip("-._+")[:100] or "model"
 
+
+def apply(raw: Any, explicit: Any = ()) -> list[str]:
+    """Resolve the facts of raw.model (a composed DictConfig, before its interpolations resolve) in
+    place; return the notes. `explicit`: the keys the command line set (`model.name` is kept then).
+
+    model.path: made absolute, names the model (model.name, so run.name's default follows), drops
+    model.builtin, and when its config.json is here, gives every fact. model.builtin (path null):
+    the recipe gives every fact. `model.facts_from` says which (null: not resolved, a dry run)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+    model = raw.get("model") if hasattr(raw, "get") else None
+    if model is None:
+        return []
+    path, builtin = model.get("path"), model.get("builtin")
+    if path:
+        from launcher.paths import absolute
+
+        directory = absolute(str(path))
+        with open_dict(model):
+            model["path"], model["builtin"] = str(directory), None
+            if "model.name" not in explicit:
+                model["name"] = checkpoint_name(directory)
+        if not (directory / "config.json").is_file():
+            return []  # not on this machine: a dry run plans with the conf's numbers, a submission refuses
+        facts, architectures = read(directory)
+        source = str(directory / "config.json")
+        check_supported(facts, architectures, source)
+        says, whose = f"{source} says", "the checkpoint's"
+    elif isinstance(builtin, str) and builtin in BUILTIN_MODELS:
+        facts, source = builtin_facts(builtin), f"builtin:{builtin}"
+        says, whose = f"the built-in recipe {builtin} has", "the recipe's"
+    else:
+        return []  # validation names the unknown recipe
     differ = []
     with open_dict(model):
         for key in FACT_KEYS:
             value = getattr(facts, key)
             conf = model.get(key)
-            if conf is not None and conf != value:
+            if isinstance(conf, (DictConfig, ListConfig)):
+                conf = OmegaConf.to_container(conf, resolve=True)
+            if conf not in (None, {}) and conf != value:
                 differ.append(f"{key}={value} (conf: {conf})")
             model[key] = value
-    return [f"model: {where} says {', '.join(differ)}; using the checkpoint's numbers"] if differ else []
+        model["facts_from"] = source
+    return [f"model: {says} {', '.join(differ)}; using {whose} numbers"] if differ else []
 
 
-# ------------------------------------------------------------------------------------------
-# hybrid (Nemotron-H) facts: the layer pattern, Mamba sizes, experts
-
-
-# Layer kinds of a hybrid pattern (megatron's symbols, Nemotron-H's hybrid_override_pattern), and the
-# names transformers 5 writes in layers_block_type instead (with their older spellings)
-HYBRID_SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
-_BLOCK_SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
-                  "moe": "E"}
-
-
-@dataclass(frozen=True)
-class HybridFacts:
-    pattern: str               # one symbol per layer (HYBRID_SYMBOLS), e.g. "M*EM*-"
-    mamba_num_heads: int
-    mamba_head_dim: int
-    mamba_num_groups: int      # n_groups: B and C are shared by the heads of a group
-    mamba_state_dim: int
-    num_experts: int           # routed experts of each E layer; 0 without E layers
-    moe_router_topk: int
-    num_shared_experts: int
-
-
-def hybrid_pattern(hf: dict, cfg_file: Path | str = "config.json") -> Optional[str]:
-    """A hybrid checkpoint's layer pattern: `hybrid_override_pattern` (published Nemotron-H configs) or
-    `layers_block_type` (as transformers 5 writes them); None for other models. ConfigError when
-    malformed."""
-    reader = _Reader(hf, Path(cfg_file))
-    pattern, blocks = hf.get("hybrid_override_pattern"), hf.get("layers_block_type")
-    if pattern is not None:
-        if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
-            raise reader._error("hybrid_override_pattern", f"must be a string of {''.join(HYBRID_SYMBOLS)} "
-                                                           f"(one per layer), got {pattern!r}")
-        return pattern
-    if blocks is None or hf.get("model_type") != "nemotron_h":
+def of_section(model: Mapping[str, Any]) -> Optional[ModelFacts]:
+    """The resolved facts of a `model:` section (plain data), or None where they were not resolved."""
+    if not model.get("facts_from") or any(k not in model for k in FACT_KEYS):
         return None
-    if not isinstance(blocks, list) or not blocks or not all(b in _BLOCK_SYMBOLS for b in blocks):
-        raise reader._error("layers_block_type", f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, "
-                                                 f"got {blocks!r}")
-    return "".join(_BLOCK_SYMBOLS[b] for b in blocks)
+    return ModelFacts(**{k: model[k] for k in FACT_KEYS})
 
 
-def hybrid_facts(hf: dict, cfg_file: Path | str = "config.json") -> Optional[HybridFacts]:
-    """The hybrid facts of a config.json's content (or of a built-in recipe: its keys are HF's); None
-    for a model without a hybrid layer pattern."""
-    pattern = hybrid_pattern(hf, cfg_file)
-    if pattern is None:
-        return None
-    reader = _Reader(hf, Path(cfg_file))
-    heads = reader.positive("mamba_num_heads") if "M" in pattern else 0
-    groups = reader.positive("n_groups", default=1) if heads else 0
-    if heads and heads % groups:
-        raise reader._error("n_groups", f"{groups} must divide mamba_num_heads {heads}")
-    experts = reader.first_count(EXPERT_KEYS) if "E" in pattern else 0
-    topk = reader.first_count(TOPK_KEYS) if experts else 0
-    if "E" in pattern and not 1 <= topk <= experts:
-        raise reader._error("num_experts_per_tok", f"must be in [1, n_routed_experts = {experts}] for the E layers "
-                                                   f"of {pattern!r}, got {topk}")
-    return HybridFacts(pattern=pattern, mamba_num_heads=heads,
-                       mamba_head_dim=reader.positive("mamba_head_dim") if heads else 0,
-                       mamba_num_groups=groups, mamba_state_dim=reader.positive("ssm_state_size") if heads else 0,
-                       num_experts=experts, moe_router_topk=topk,
-                       num_shared_experts=reader.first_count(("n_shared_experts",)) if experts else 0)
+def shape_keys(family: Optional[str]) -> tuple[str, ...]:
+    """The facts that decide tensor shapes: SHAPE_KEYS and the family's own (`family_facts.<key>`)."""
+    return SHAPE_KEYS + tuple(f"family_facts.{k}" for k in FAMILY_FACTS.get(family or "", Family()).shapes)
 
 
-def hybrid_facts_of(path: str | Path) -> Optional[HybridFacts]:
-    """hybrid_facts of the checkpoint directory `path` (its config.json; read() has checked it)."""
-    cfg_file = Path(path) / "config.json"
-    return hybrid_facts(json.loads(cfg_file.read_text()), cfg_file)
+def fact(facts: ModelFacts, key: str) -> Any:
+    """A fact by its key; `family_facts.<key>` for a family's own (None where it has none such)."""
+    if key.startswith("family_facts."):
+        return facts.family_facts.get(key.partition(".")[2])
+    return getattr(facts, key)
+
+
+def differences(expected: ModelFacts, found: ModelFacts, keys: tuple[str, ...] = FACT_KEYS) -> list[str]:
+    """'key X -> Y' (expected, found) for every fact of `keys` that differs."""
+    return [f"{k} {fact(expected, k)!r} -> {fact(found, k)!r}" for k in keys if fact(expected, k) != fact(found, k)]
+
+
+def shape_differences(expected: ModelFacts, found: ModelFacts) -> list[str]:
+    """differences() in the facts that decide tensor shapes (an adapter trained on one fits the other)."""
+    return differences(expected, found, shape_keys(expected.family))

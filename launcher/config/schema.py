@@ -90,6 +90,8 @@ LORA_NOT_IN_PEFT: dict[str, dict[str, str]] = {
 # Built-in models (`model.builtin`, used when model.path is null): architecture numbers per recipe,
 # built locally with random weights by workers.tiny_models. heads * head_dim need not equal hidden
 # (it does not for Nemotron-H), and the exporter tests rely on recipes where it does not.
+# what every built-in recipe has besides its own numbers (workers.tiny_models builds with these)
+BUILTIN_COMMON: dict = dict(max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=10000.0)
 BUILTIN_MODELS: dict[str, dict] = {
     # the default model: Llama-style GQA, 4 query heads in 2 groups, head_dim 32
     "tiny_llama": dict(family="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -142,19 +144,34 @@ class ParameterCounts:
 
 @dataclass
 class Model:
-    name: str = "tiny_llama"
+    """`model:`. The facts (family .. family_facts) are resolved once, at composition, from
+    model.path's config.json or the built-in recipe (launcher.config.model_facts), and the run's
+    config.yaml holds them; a value stated in conf/ or on the command line serves only a dry run
+    for a checkpoint that is not on this machine (it is noted and replaced where one is)."""
+
+    name: str = "tiny_llama"          # with model.path: the checkpoint directory's name
     path: Optional[str] = None
     builtin: Optional[str] = None
-    family: str = "llama"
     dtype: str = "float32"
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    head_dim: int = 32
-    num_experts: int = 0
-    moe_router_topk: int = 0   # experts per token (0: dense)
-    size: ParameterCounts = field(default_factory=ParameterCounts)
+    family: Optional[str] = None
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    head_dim: Optional[int] = None
+    num_experts: Optional[int] = None
+    moe_router_topk: Optional[int] = None   # experts per token (0: dense)
+    ffn_hidden_size: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    tie_word_embeddings: Optional[bool] = None
+    qkv_bias: Optional[bool] = None
+    qk_norm: Optional[bool] = None
+    rope_theta: Optional[float] = None
+    rope_scaling: dict[str, Any] = field(default_factory=dict)   # {}: plain RoPE
+    max_position_embeddings: Optional[int] = None
+    family_facts: dict[str, Any] = field(default_factory=dict)
+    facts_from: Optional[str] = None        # <model.path>/config.json | builtin:<recipe> | null: not resolved
+    size: ParameterCounts = field(default_factory=ParameterCounts)   # not a fact: the memory plan's counts
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from launcher import memory, paths
 from launcher import plan as plan_mod
-from launcher.config import model_facts, model_files
+from launcher.config import model_facts, model_files, model_rules
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
 from launcher.config.schema import (BUILTIN_MODELS, LORA_MODULES, LORA_NOT_IN_PEFT, REFIT_MODES,
@@ -66,9 +66,11 @@ def _paths(cfg: Config) -> list[ConfigError]:
 
 
 def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
+    """The model's facts are resolved (launcher.config.model_facts: from config.json or the built-in
+    recipe) before this runs; unresolved (None) ones belong to a dry run for a checkpoint elsewhere."""
     m = cfg.model
     errs = []
-    if m.family not in model_facts.supported_families():
+    if m.family is not None and m.family not in model_facts.supported_families():
         errs.append(ConfigError("model.family", f"must be one of {', '.join(model_facts.supported_families())}, "
                                                 f"got {m.family!r}"))
     if m.dtype not in DTYPES:
@@ -79,37 +81,31 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
                                                      f"{', '.join(sorted(BUILTIN_MODELS))}; got {m.builtin!r}"))
     elif submitting or paths.model_dir(cfg).exists():
         errs += _model_dir(cfg, submitting)
-    if m.num_attention_heads % max(m.num_query_groups, 1):
+    if m.num_attention_heads and m.num_query_groups and m.num_attention_heads % m.num_query_groups:
         errs.append(ConfigError("model.num_query_groups", f"must divide num_attention_heads = "
                                                           f"{m.num_attention_heads}, got {m.num_query_groups}"))
-    return errs
+    return errs + (model_rules.errors(m, cfg.topology.device) if not errs else [])
 
 
 def _model_dir(cfg: Config, submitting: bool) -> list[ConfigError]:
-    """A local HF checkpoint: a config.json of a supported family, and (submitting: a dry run notes
-    it) everything else the run reads from it (safetensors weights, a tokenizer:
-    launcher.config.model_files)."""
+    """A local HF checkpoint: its config.json gave the facts (model_facts.apply, which refused one
+    that is unreadable or of an unsupported family), and (submitting: a dry run notes it) everything
+    else the run reads from it is there (safetensors weights, a tokenizer: launcher.config.model_files)."""
     path = paths.model_dir(cfg)
-    cfg_file = path / "config.json"
     missing = model_files.problem(path)
-    if missing is not None and not cfg_file.is_file():
+    if missing is not None and (submitting or not (path / "config.json").is_file()):
         return [ConfigError("model.path", missing)]
-    try:  # the numbers themselves came from it (model_facts.apply); here: readable and supported
-        facts, architectures = model_facts.read(path)
-        model_facts.check_supported(facts, architectures, str(cfg_file))
-    except ConfigError as e:
-        return [e]
-    return [ConfigError("model.path", missing)] if missing is not None and submitting else []
+    return []
 
 
 def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
     m, tr, gen = cfg.model, cfg.topology.train, cfg.topology.generation
     errs = []
-    if tr.tensor_parallel >= 1 and m.num_query_groups % tr.tensor_parallel:
+    if m.num_query_groups and tr.tensor_parallel >= 1 and m.num_query_groups % tr.tensor_parallel:
         errs.append(ConfigError("topology.train.tensor_parallel",
                                 f"must divide model.num_query_groups = {m.num_query_groups} (a TP rank holds whole "
                                 f"query groups), got {tr.tensor_parallel}"))
-    if tr.pipeline_parallel >= 1 and m.num_layers % tr.pipeline_parallel:
+    if m.num_layers and tr.pipeline_parallel >= 1 and m.num_layers % tr.pipeline_parallel:
         errs.append(ConfigError("topology.train.pipeline_parallel",
                                 f"must divide model.num_layers = {m.num_layers}, got {tr.pipeline_parallel}"))
     if m.num_experts == 0 and tr.expert_parallel != 1:
@@ -118,7 +114,7 @@ def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
     elif m.num_experts and tr.expert_parallel >= 1 and m.num_experts % tr.expert_parallel:
         errs.append(ConfigError("topology.train.expert_parallel",
                                 f"must divide model.num_experts = {m.num_experts}, got {tr.expert_parallel}"))
-    if gen.tensor_parallel >= 1 and m.num_attention_heads % gen.tensor_parallel:
+    if m.num_attention_heads and gen.tensor_parallel >= 1 and m.num_attention_heads % gen.tensor_parallel:
         errs.append(ConfigError("topology.generation.tensor_parallel",
                                 f"must divide model.num_attention_heads = {m.num_attention_heads} (vLLM splits "
                                 f"heads), got {gen.tensor_parallel}"))
@@ -126,7 +122,7 @@ def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
 
 
 def _layer_modules(cfg: Config) -> list[str]:
-    mods = LORA_MODULES.get(cfg.model.family, ())
+    mods = LORA_MODULES.get(cfg.model.family or "", ())
     return [f"decoder.layers.{i}.{mod}" for i in range(cfg.model.num_layers) for mod in mods]
 
 
@@ -150,8 +146,8 @@ def _peft(cfg: Config) -> list[ConfigError]:
         errs.append(ConfigError("peft.lora_dtype", f"must be null or one of {', '.join(DTYPES)}, got {p.lora_dtype!r}"))
     if not p.target_modules:
         errs.append(ConfigError("peft.target_modules", "is empty: name at least one module, e.g. [linear_qkv]"))
-    if cfg.model.family not in LORA_MODULES:
-        return errs  # model.family is reported; its modules are unknown
+    if cfg.model.family not in LORA_MODULES or not cfg.model.num_layers:
+        return errs  # model.family is reported (or not resolved): its modules are unknown
     names = _layer_modules(cfg)
     short = sorted({n.rsplit(".", 1)[1] for n in names})
     for target in p.target_modules:
@@ -195,31 +191,17 @@ def _expert_lora(cfg: Config) -> list[ConfigError]:
                                                f"expert_parallel")]
 
 
-def _hybrid_facts(cfg: Config):
-    """A hybrid model's facts (layer pattern, Mamba sizes): from model.path's config.json when it is
-    here, from the built-in recipe otherwise; None for other models or a checkpoint not on this machine."""
-    m = cfg.model
-    if m.path is None:
-        return model_facts.hybrid_facts(BUILTIN_MODELS.get(m.builtin, {}), f"built-in model {m.builtin}")
-    path = paths.model_dir(cfg)
-    if not (path / "config.json").is_file():
-        return None
-    try:
-        return model_facts.hybrid_facts_of(path)
-    except (ConfigError, ValueError):
-        return None  # _model_dir reports a bad config.json
-
-
 def _hybrid(cfg: Config) -> list[ConfigError]:
-    """A hybrid (Mamba) model: each TP rank holds whole Mamba heads and whole groups (megatron's mixer)."""
-    facts = _hybrid_facts(cfg)
-    tp = cfg.topology.train.tensor_parallel
-    if facts is None or not facts.mamba_num_heads or tp < 1:
+    """A hybrid (Mamba) model: each TP rank holds whole Mamba heads and whole groups (megatron's mixer).
+    Its facts are the resolved ones (model.family_facts: launcher.config.model_facts)."""
+    facts = cfg.model.family_facts or {}
+    heads, groups, tp = facts.get("mamba_num_heads"), facts.get("n_groups"), cfg.topology.train.tensor_parallel
+    if not heads or not groups or tp < 1:
         return []
-    if facts.mamba_num_heads % tp or facts.mamba_num_groups % tp:
+    if heads % tp or groups % tp:
         return [ConfigError("topology.train.tensor_parallel",
-                            f"must divide the Mamba heads ({facts.mamba_num_heads}) and groups "
-                            f"({facts.mamba_num_groups}) of model {cfg.model.name}, got {tp}")]
+                            f"must divide the Mamba heads ({heads}) and groups ({groups}) of model "
+                            f"{cfg.model.name}, got {tp}")]
     return []
 
 

@@ -30,9 +30,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from launcher import files, paths, records
+from launcher.config import model_facts
 from launcher.config.compose import ConfigError
-from launcher.config.schema import Checkpointing, Config
+from launcher.config.schema import Checkpointing
 from launcher.paths import absolute
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -182,8 +185,7 @@ def _check_pickle(f: Path) -> None:
 # what a checkpoint's adapter/optimizer tensors depend on: resuming with any of these changed
 # would load tensors of the wrong shape or meaning (the base model: which weights the adapters
 # were trained on, not only its shape; the optimizer: what its state tensors are)
-COMPATIBLE = (("model", ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                         "head_dim", "num_experts", "moe_router_topk", "dtype", "builtin", "path")),
+COMPATIBLE = (("model", ("family", "builtin", "path", *model_facts.FACT_KEYS[1:], "dtype")),
               ("peft", ("enabled", "dim", "target_modules", "alpha", "lora_dtype")),
               ("optim", ("optimizer",)))
 _PATHS = {("model", "path")}
@@ -204,9 +206,11 @@ def check_compatible(ckpt: Path, cfg) -> None:
         raise ConfigError("resume", f"{e}; not a checkpoint of this launcher") from None
     for section, keys in COMPATIBLE:
         for key in keys:
-            default = getattr(getattr(Config(), section), key)  # a key the saved YAML left to the schema
-            before, now = (saved.get(section) or {}).get(key, default), getattr(getattr(cfg, section), key)
-            before = list(before) if hasattr(before, "__iter__") and not isinstance(before, str) else before
+            if key not in (saved.get(section) or {}):
+                continue  # a checkpoint written before the key existed
+            before, now = (saved.get(section) or {}).get(key), getattr(getattr(cfg, section), key)
+            if isinstance(before, (DictConfig, ListConfig)):
+                before = OmegaConf.to_container(before, resolve=True)
             if (section, key) in _PATHS:
                 before, now = (str(absolute(v)) if v else None for v in (before, now))
             if before != now:

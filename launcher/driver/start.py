@@ -90,7 +90,10 @@ def start(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, startup: Startup, i
 
     startup.mark("driver imports (torch, transformers, workers)")
     t0 = time.time()
-    model_dir = models.ensure(cfg)
+    try:
+        model_dir = models.ensure(cfg)
+    except ConfigError as e:  # the checkpoint changed since submission
+        raise StepFailed(str(e)) from None
     into.data = read_data(cfg, AutoTokenizer.from_pretrained(str(model_dir)))
     startup.mark("model files ready (+ tokenizer)")
     plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

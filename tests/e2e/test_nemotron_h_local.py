@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable
@@ -41,9 +42,13 @@ def test_a_published_nemotron_h_shape_by_model_path_alone(nemotron_h_nano, tmp_p
                         "grpo.max_num_steps=2", f"run.root={tmp_path}", "run.name=nano", "logging.tensorboard=false"],
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    # the model section came from its config.json (the conf's numbers were tiny_llama's)
-    assert "family=nemotron_h" in p.stderr and "num_layers=7" in p.stderr and "num_experts=8" in p.stderr
     run = tmp_path / "nano"
+    # the model section came from its config.json (the default model group is tiny_llama), once
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert (saved["family"], saved["num_layers"], saved["num_experts"], saved["moe_router_topk"]) == (
+        "nemotron_h", 7, 8, 3)
+    assert saved["family_facts"]["hybrid_override_pattern"] == "MEMEM*E" and saved["builtin"] is None
+    assert saved["facts_from"] == f"{nemotron_h_nano}/config.json" and saved["name"] == "nemotron-3-nano-scaled"
     r = rows(run)
     assert [x["step"] for x in r] == [1, 2]
     assert all(x["train/gen_kl_error"] < 1e-5 and x["refit/bytes"] > 0 for x in r), r

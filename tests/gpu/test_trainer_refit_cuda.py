@@ -138,7 +138,7 @@ def test_engine_refit_merged_delta_bitwise_and_logprobs_against_the_trainer(step
     merged, delta = (load_file(str(tmp_path / f"{m}.safetensors")) for m in spec["modes"])
     exported = {n: t.detach().cpu() for n, t in trainer.export_merged()}
     assert merged.keys() == exported.keys() and all(torch.equal(merged[n], exported[n]) for n in exported)
-    layers = trainer.lora_config()["num_layers"]
+    layers = trainer.cfg.facts.num_layers  # the run's model facts
     assert len(delta) == 7 * layers  # q, k, v, o, gate, up, down of every layer
     assert all(torch.equal(t, merged[n]) for n, t in delta.items()), "merged_delta differs from merged"
     assert payloads[1].bytes < payloads[0].bytes / 3

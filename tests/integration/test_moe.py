@@ -163,11 +163,12 @@ def test_resume_at_the_same_layout_is_bitwise(groups, batch, tmp_path):
 @pytest.fixture(scope="module")
 def exported(groups, model_dir, tmp_path_factory):
     """The EP2 group's adapter (at the first test that asks), written by the PEFT exporter."""
+    from launcher.config import model_facts
     from workers.lora.export import export_adapter
 
     d = tmp_path_factory.mktemp("moe-export")
     groups["ep2"].save_state(d / "ckpt")
-    return export_adapter(d / "ckpt", d / "adapter", model_dir, family="qwen3_moe", dim=8, alpha=20,
+    return export_adapter(d / "ckpt", d / "adapter", model_dir, facts=model_facts.read(model_dir)[0], dim=8, alpha=20,
                           peft_enabled=True, config_file=d / "config.yaml")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launcher.config import model_facts
 from tests.helpers.trainer import ProbedTrainer
 
 pytestmark = pytest.mark.integration
@@ -257,8 +258,8 @@ def exported(groups, model_dir, tmp_path_factory):
 
     d = tmp_path_factory.mktemp("nemotron-h-export")
     groups["tp2"].save_state(d / "ckpt")
-    return export_adapter(d / "ckpt", d / "adapter", model_dir, family="nemotron_h", dim=8, alpha=20,
-                          peft_enabled=True, config_file=d / "config.yaml")
+    return export_adapter(d / "ckpt", d / "adapter", model_dir, facts=model_facts.read(model_dir)[0], dim=8,
+                          alpha=20, peft_enabled=True, config_file=d / "config.yaml")
 
 
 def test_exported_adapter_attaches_fully_and_is_the_trainer(groups, exported, batch, model_dir):
@@ -322,8 +323,8 @@ def test_ep2_with_lora_on_out_proj_matches_hf_refits_exactly_and_refuses_to_expo
     finally:
         ep2.shutdown()
     with pytest.raises(ExportError) as e:
-        export_adapter(tmp_path / "ckpt", tmp_path / "adapter", model_dir, family="nemotron_h", dim=8, alpha=20,
-                       peft_enabled=True, config_file=tmp_path / "config.yaml")
+        export_adapter(tmp_path / "ckpt", tmp_path / "adapter", model_dir, facts=model_facts.read(model_dir)[0],
+                       dim=8, alpha=20, peft_enabled=True, config_file=tmp_path / "config.yaml")
     assert str(e.value).startswith("the checkpoint has LoRA on mixer.out_proj (decoder.layers.0.mixer.out_proj and "
                                    "more), which an HF PEFT adapter cannot hold: PEFT refuses LoRA on a Mamba layer's "
                                    "out_proj") and "\n" not in str(e.value)

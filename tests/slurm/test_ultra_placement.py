@@ -4,8 +4,9 @@ the 16 trainer ranks (TP2 / EP16, 4 per train node) and the TP8 engine's actor a
 workers (4 per generation node, vLLM's own placement group) exactly where plan.txt says.
 
 The model is a tiny stand-in of the reference model's family (Nemotron-H: Mamba-2 + attention + MoE):
-the placement smoke builds no model, but validation checks the model's numbers against the topology
-(EP16 must divide the experts, TP8 the attention heads, TP2 the Mamba heads and groups)."""
+the placement smoke builds no model, but validation checks the model's facts against the topology
+(EP16 must divide the experts, TP8 the attention heads, TP2 the Mamba heads and groups), and the
+facts are a checkpoint's, so the stand-in is a tiny checkpoint (tests/helpers/nemotron_h.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,6 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 PY = sys.executable
 NODES = 6
-STAND_IN = ["model=tiny_nemotron_h", "model.num_experts=16", "model.num_attention_heads=8",
-            "model.num_query_groups=8"]
 ROW = re.compile(r"^node (\d+)\s+(\S+)(?: \(head\))?\s+(\S+)\s+(.+?)\s+(\d+)$")
 
 
@@ -45,7 +44,9 @@ def read_plan(text: str) -> tuple[dict[int, int], dict[str, int], dict[int, int]
 def test_ultra_6n4g_places_16_trainers_and_the_tp8_engine_where_the_plan_says(slurm_cluster, tmp_path):
     if len(slurm_cluster.nodes) < NODES:
         pytest.skip(f"needs a {NODES}-node test cluster, this one has {len(slurm_cluster.nodes)} (SLURM_TEST_NODES)")
-    p = subprocess.run([PY, "-m", "launcher", "topology=ultra_6n4g", "run.job=placement_smoke", *STAND_IN,
+    from tests.helpers.nemotron_h import ultra_stand_in
+
+    p = subprocess.run([PY, "-m", "launcher", "topology=ultra_6n4g", "run.job=placement_smoke", *ultra_stand_in(tmp_path),
                         f"run.root={tmp_path}", "logging.tensorboard=false"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

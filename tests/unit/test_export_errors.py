@@ -142,6 +142,15 @@ def test_base_model_of_another_family(capsys, make_checkpoint, tiny_model):
                    "(wrong --base-model?)")
 
 
+def test_base_model_of_another_shape(capsys, make_checkpoint, tiny_model):
+    """The run's facts (config.yaml) give the layout; a base of the same family but another shape is refused."""
+    ckpt = make_checkpoint(attention_lora())
+    g4 = tiny_model("tiny_llama_g4")
+    assert_refused(run_export(capsys, ckpt, "--base-model", str(g4)),
+                   f"{g4.resolve()}/config.json is not shaped like the model {ckpt}/config.yaml trained: hidden_size "
+                   f"128 -> 160; num_attention_heads 4 -> 8; num_query_groups 2 -> 4 (wrong --base-model?)")
+
+
 def test_missing_base_model(capsys, make_checkpoint, tmp_path):
     ckpt = make_checkpoint(attention_lora())
     assert_refused(run_export(capsys, ckpt, "--base-model", str(tmp_path / "nowhere")),
@@ -168,13 +177,14 @@ def test_exporter_module_imports_no_torch():
 # --------------------------------------------------------------------------- Nemotron-H (a hybrid stack: a key per layer)
 
 
-def nemotron_h_checkpoint(make_checkpoint, tensors: dict) -> Path:
-    return make_checkpoint(tensors, "model.family=nemotron_h")
+def nemotron_h_checkpoint(make_checkpoint, tiny_model, tensors: dict) -> Path:
+    """A checkpoint of a run on tiny_nemotron_h (its facts, resolved from its config.json, in config.yaml)."""
+    return make_checkpoint(tensors, f"model.path={tiny_model('tiny_nemotron_h')}")
 
 
 def test_lora_on_the_routed_experts_of_a_hybrid_stack(capsys, make_checkpoint, tiny_model):
     key = "decoder.layers.2.mlp.experts.experts.linear_fc1.adapter.linear_in.weight"  # a layer's experts, stacked
-    ckpt = nemotron_h_checkpoint(make_checkpoint, {key: torch.randn(4, R, HIDDEN),
+    ckpt = nemotron_h_checkpoint(make_checkpoint, tiny_model, {key: torch.randn(4, R, HIDDEN),
                                                    key.replace("linear_in", "linear_out"): torch.randn(4, 64, R)})
     assert_refused(run_export(capsys, ckpt, "--base-model", str(tiny_model("tiny_nemotron_h"))),
                    f"{key}: the checkpoint has LoRA on MoE experts, which the PEFT exporter does not write yet "
@@ -183,7 +193,7 @@ def test_lora_on_the_routed_experts_of_a_hybrid_stack(capsys, make_checkpoint, t
 
 def test_lora_on_a_mamba_out_proj(capsys, make_checkpoint, tiny_model):
     prefix = "decoder.layers.3.mixer.out_proj.adapter"
-    ckpt = nemotron_h_checkpoint(make_checkpoint, {f"{prefix}.linear_in.weight": torch.randn(R, 128),
+    ckpt = nemotron_h_checkpoint(make_checkpoint, tiny_model, {f"{prefix}.linear_in.weight": torch.randn(R, 128),
                                                    f"{prefix}.linear_out.weight": torch.randn(HIDDEN, R)})
     assert_refused(run_export(capsys, ckpt, "--base-model", str(tiny_model("tiny_nemotron_h"))),
                    "the checkpoint has LoRA on mixer.out_proj (decoder.layers.3.mixer.out_proj), which an HF PEFT "
@@ -201,7 +211,7 @@ def test_a_mamba_in_proj_b_stored_in_parts_is_joined_in_hf_row_order(capsys, mak
     sizes = {"z": 128, "x": 128, "B": 32, "C": 32, "dt": 8}  # tiny_nemotron_h: 8 heads x 16, 2 groups x 16
     parts = {name: torch.randn(rows, R) for name, rows in sizes.items()}
     a = torch.randn(R, HIDDEN)
-    ckpt = nemotron_h_checkpoint(make_checkpoint, {f"{prefix}.linear_in.weight": a, **{
+    ckpt = nemotron_h_checkpoint(make_checkpoint, tiny_model, {f"{prefix}.linear_in.weight": a, **{
         f"{prefix}.linear_out.weight.{name}": t for name, t in reversed(list(parts.items()))}})
     rc, out, err = run_export(capsys, ckpt, "--base-model", str(tiny_model("tiny_nemotron_h")))
     assert (rc, err) == (0, ""), err
@@ -211,3 +221,21 @@ def test_a_mamba_in_proj_b_stored_in_parts_is_joined_in_hf_row_order(capsys, mak
     assert torch.equal(tensors["base_model.model.backbone.layers.0.mixer.in_proj.lora_B.weight"],
                        torch.cat(list(parts.values())))
     assert torch.equal(tensors["base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight"], a)
+
+
+def test_a_hybrid_base_of_another_layer_pattern_or_mamba_shape_is_refused(capsys, make_checkpoint, tiny_model,
+                                                                          tmp_path):
+    """Nemotron-H's own shape facts (model_facts.shape_keys: the layer pattern, Mamba sizes) count as
+    the common ones do: the same heads and widths with other layers or Mamba groups is another model."""
+    from launcher.config.schema import BUILTIN_MODELS
+    from workers import tiny_models
+
+    other = tiny_models.build(tmp_path / "other", "tiny_nemotron_h", spec={
+        **BUILTIN_MODELS["tiny_nemotron_h"], "hybrid_override_pattern": "M*EM-*", "n_groups": 4})
+    ckpt = nemotron_h_checkpoint(make_checkpoint, tiny_model, {
+        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_in.weight": torch.randn(R, HIDDEN),
+        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight": torch.randn(4 * 48 + 2 * 2 * 48, R)})
+    assert_refused(run_export(capsys, ckpt, "--base-model", str(other)),
+                   f"{other.resolve()}/config.json is not shaped like the model {ckpt}/config.yaml trained: "
+                   f"family_facts.hybrid_override_pattern 'M*EM*-' -> 'M*EM-*'; family_facts.n_groups 2 -> 4 "
+                   f"(wrong --base-model?)")

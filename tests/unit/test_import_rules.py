@@ -2,7 +2,7 @@
 
 Data flows config -> plan -> job -> cluster -> driver -> workers; the rules that keep it one way:
 - no cycle among the project's modules;
-- workers/ import from launcher/ only its config schema;
+- workers/ import from launcher/ only its config schema and the model facts' reader;
 - launcher/driver/ never imports launcher/job/ or the bootstrap;
 - in launcher/, only driver/ and export.py import workers/;
 - launcher/ modules other than driver/ and export.py import no torch, ray, vllm or megatron at
@@ -18,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "vllm", "megatron", "transformers", "transformer_engine")
+# the config's sections and rules, and the one reader of a checkpoint's facts (both torch-free)
+WORKERS_MAY_IMPORT = ("launcher.config.schema", "launcher.config.model_facts")
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,8 @@ def violations(root: Path) -> list[str]:
     for imp in found:
         src, tgt = imp.source, imp.target
         in_driver = src == "launcher.driver" or src.startswith("launcher.driver.")
-        if src.startswith("workers") and tgt.startswith("launcher") and not tgt.startswith("launcher.config.schema"):
-            bad.append(f"{src} imports {tgt}: workers/ may import only launcher.config.schema")
+        if src.startswith("workers") and tgt.startswith("launcher") and not tgt.startswith(WORKERS_MAY_IMPORT):
+            bad.append(f"{src} imports {tgt}: workers/ may import only {' and '.join(WORKERS_MAY_IMPORT)}")
         if in_driver and (tgt.startswith("launcher.job") or tgt.startswith("launcher.cluster.bootstrap")):
             bad.append(f"{src} imports {tgt}: the driver never imports job/ or the bootstrap")
         if src.startswith("launcher") and tgt.split(".")[0] == "workers" and not (in_driver or src == "launcher.export"):
@@ -173,5 +175,6 @@ def test_planted_rule_breaks_are_named(tmp_path):
         "launcher.driver imports launcher.job.submit: the driver never imports job/ or the bootstrap",
         "launcher.plan imports workers.w: in launcher/ only driver/ and export.py import workers/",
         "launcher.job.submit imports torch at module level: keep the control plane torch-free",
-        "workers.w imports launcher.plan: workers/ may import only launcher.config.schema",
+        "workers.w imports launcher.plan: workers/ may import only launcher.config.schema and "
+        "launcher.config.model_facts",
     ])

@@ -42,9 +42,12 @@ def checkpoint(tmp_path: Path, config, name: str = "ckpt") -> Path:
 def test_qwen3_moe_facts(tmp_path):
     facts, archs = model_facts.read(checkpoint(tmp_path, QWEN3_MOE))
     assert archs == ["Qwen3MoeForCausalLM"]
-    assert facts == model_facts.ModelFacts(family="qwen3_moe", num_layers=48, hidden_size=2048,
-                                           num_attention_heads=32, num_query_groups=4, head_dim=128,
-                                           num_experts=128, moe_router_topk=8)
+    # absent keys take what transformers' Qwen3MoeConfig / Qwen3MoeAttention assume
+    assert facts == model_facts.ModelFacts(
+        family="qwen3_moe", num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
+        num_experts=128, moe_router_topk=8, ffn_hidden_size=0, moe_ffn_hidden_size=768, tie_word_embeddings=False,
+        qkv_bias=False, qk_norm=True, rope_theta=10000.0, rope_scaling={}, max_position_embeddings=None,
+        family_facts={"use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": []})
 
 
 def test_dense_defaults_head_dim_and_groups(tmp_path):
@@ -140,15 +143,26 @@ def test_unsupported_architectures_name_the_supported_families(tmp_path):
 def test_cli_reads_the_checkpoint_numbers(tmp_path, capsys):
     """model.path alone: no architecture number restated; the dry run plans EP over its experts."""
     d = checkpoint(tmp_path, {**QWEN3_MOE, "num_hidden_layers": 4})
-    rc = main([f"model.path={d}", "refit=merged_delta", f"run.root={tmp_path}/runs",
-               "dry_run=true"])
+    rc = main([f"model.path={d}", "refit=merged_delta", f"run.root={tmp_path}/runs", "dry_run=true"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert err.startswith(f"note: model: {d}/config.json says family=qwen3_moe (conf: llama), num_layers=4 (conf: 2)")
+    assert "note: model:" not in err  # the default model group states no number to contradict
     for line in ("  family: qwen3_moe\n", "  num_layers: 4\n", "  num_experts: 128\n", "  moe_router_topk: 8\n",
-                 "  head_dim: 128\n"):
+                 "  head_dim: 128\n", "  builtin: null\n", f"  facts_from: {d}/config.json\n",
+                 "  name: local-ckpt\n"):  # the run is named after the checkpoint's directory
         assert line in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_conf_number_the_checkpoint_contradicts_is_a_note(tmp_path, capsys):
+    d = checkpoint(tmp_path, {**QWEN3_MOE, "num_hidden_layers": 4})
+    rc = main([f"model.path={d}", "model.family=llama", "model.num_layers=2", "model.hidden_size=2048",
+               f"run.root={tmp_path}/runs", "dry_run=true"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert err.splitlines()[0] == (f"note: model: {d}/config.json says family=qwen3_moe (conf: llama), num_layers=4 "
+                                   f"(conf: 2); using the checkpoint's numbers")
+    assert "  num_layers: 4\n" in out and "  family: qwen3_moe\n" in out
 
 
 def test_cli_bad_config_json_is_one_line_and_writes_nothing(tmp_path, capsys):
@@ -161,7 +175,7 @@ def test_cli_bad_config_json_is_one_line_and_writes_nothing(tmp_path, capsys):
 
 
 def test_cli_unknown_family_without_checkpoint(tmp_path, capsys):
-    rc = main(["model.family=gpt2", f"run.root={tmp_path}/runs", "dry_run=true"])
+    rc = main([f"model.path={tmp_path}/elsewhere", "model.family=gpt2", f"run.root={tmp_path}/runs", "dry_run=true"])
     assert rc == 2
     assert capsys.readouterr().err == (f"error: model.family: must be one of "
                                        f"{', '.join(model_facts.supported_families())}, got 'gpt2'\n")
@@ -215,3 +229,95 @@ def test_nemotron_h_as_transformers_5_saves_it_counts_its_blocks(tmp_path):
     saved["layers_block_type"] = ["mamba", "moe", "attention", "mamba", "moe"]
     facts, _ = model_facts.read(checkpoint(tmp_path, saved))
     assert facts.num_layers == 5 and facts.family == "nemotron_h" and facts.num_experts == 128
+
+
+# --------------------------------------------------------------------------- published shapes, one resolution
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("Llama-3.2-1B", dict(family="llama", num_attention_heads=8, num_query_groups=2, head_dim=64, hidden_size=512,
+                          tie_word_embeddings=True, qkv_bias=False, qk_norm=False, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
+                                        "low_freq_factor": 1.0, "original_max_position_embeddings": 8192})),
+    ("Qwen2.5-0.5B-Instruct", dict(family="qwen2", num_attention_heads=14, num_query_groups=2, head_dim=32,
+                                   hidden_size=448, tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
+                                   rope_theta=1000000.0,
+                                   rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "original_max_position_embeddings": 32768,
+                                                 "truncate": True})),
+    ("Qwen3-0.6B", dict(family="qwen3", num_attention_heads=4, num_query_groups=2, head_dim=128, hidden_size=256,
+                        tie_word_embeddings=True, qkv_bias=False, qk_norm=True)),
+    ("Qwen3-30B-A3B", dict(family="qwen3_moe", num_attention_heads=16, num_query_groups=2, head_dim=32,
+                           hidden_size=256, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=96,
+                           ffn_hidden_size=768, tie_word_embeddings=False, qk_norm=True)),
+])
+def test_published_configs_read_as_their_classes_do(name, expected):
+    """config.json as the Hub's files spell it (rope_scaling + rope_theta, Qwen2.5's old `type` key): the
+    facts fill what the family's HF class assumes (Qwen2's q/k/v bias, Qwen3's q/k norm) and YaRN's
+    defaults (beta_fast 32, beta_slow 1, truncate)."""
+    from tests.helpers import published_models
+
+    facts, _ = model_facts.read_hf(published_models.PUBLISHED[name](), name)
+    assert {k: getattr(facts, k) for k in expected} == expected
+
+
+def test_both_spellings_of_rope_give_the_same_facts():
+    """transformers 5 writes rope_parameters (theta inside); the Hub's files rope_scaling + rope_theta."""
+    from tests.helpers import published_models
+
+    published = published_models.qwen3_0_6b()
+    t5 = {k: v for k, v in published.items() if k not in ("rope_scaling", "rope_theta")}
+    t5["rope_parameters"] = {**published["rope_scaling"], "rope_theta": 1000000.0}
+    assert model_facts.read_hf(t5, "t5")[0] == model_facts.read_hf(published, "hub")[0]
+    plain = {**published, "rope_scaling": None}
+    assert model_facts.read_hf(plain, "x")[0].rope_scaling == {}
+
+
+def test_the_built_in_recipes_facts_are_the_built_checkpoints(tiny_model):
+    """A recipe's facts (resolved at submission, without building) equal what the built model's config.json says."""
+    from launcher.config.schema import BUILTIN_MODELS
+
+    for recipe in BUILTIN_MODELS:
+        if recipe == "llama_100m":
+            continue  # the benchmark model: 100M parameters to build
+        assert model_facts.builtin_facts(recipe) == model_facts.read(tiny_model(recipe))[0], recipe
+
+
+def test_a_path_under_home_is_resolved_too(tmp_path, monkeypatch):
+    """model.path='~/...' (expanded only when made absolute): its facts were never read, validation, the
+    expert-LoRA guard and the exporter used the default group's numbers (llama, no experts)."""
+    from launcher.config.compose import compose
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    checkpoint(tmp_path, QWEN3_MOE, "my-moe")
+    cfg = compose(["model.path='~/my-moe'"])
+    assert (cfg.model.path, cfg.model.family, cfg.model.num_experts) == (str(tmp_path / "my-moe"), "qwen3_moe", 128)
+    assert (cfg.model.name, cfg.run.name, cfg.model.builtin) == ("my-moe", "local-my-moe", None)
+
+
+def test_run_name_follows_the_checkpoint_unless_given(tmp_path):
+    from launcher.config.compose import compose
+
+    d = checkpoint(tmp_path, LLAMA, "Llama 3 (8B)")
+    assert compose([f"model.path='{d}'"]).run.name == "local-Llama-3--8B"
+    assert compose([f"model.path='{d}'", "run.name=mine"]).run.name == "mine"
+    assert compose([f"model.path='{d}'", "model.name=m"]).run.name == "local-m"
+    snapshot = Path("/hub/models--Qwen--Qwen3-8B/snapshots/0123abcd")
+    assert model_facts.checkpoint_name(snapshot) == "Qwen3-8B"
+
+
+def test_the_job_refuses_a_checkpoint_changed_since_submission(tmp_path):
+    """The facts are resolved at submission; at the job's start the checkpoint must still say the same
+    (both the trainer and vLLM load it)."""
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
+    from launcher.driver import models
+
+    d = checkpoint(tmp_path, QWEN3_MOE)
+    cfg = typed(compose([f"model.path={d}"]))
+    assert models.ensure(cfg) == d
+    (d / "config.json").write_text(json.dumps({**QWEN3_MOE, "hidden_size": 1024}))
+    with pytest.raises(ConfigError) as e:
+        models.ensure(cfg)
+    assert str(e.value) == (f"model.path: {d}/config.json no longer says what the run's config.yaml ({d}/config.json) "
+                            f"says: hidden_size 2048 -> 1024 (the checkpoint changed since submission: submit again)")

@@ -34,31 +34,53 @@ def checkpoint(tmp_path: Path, config: dict, name: str = "ckpt") -> Path:
 
 def test_published_nemotron_h_facts(tmp_path):
     facts, _ = model_facts.read(checkpoint(tmp_path, NANO_30B))
-    assert (facts.num_layers, facts.num_experts, facts.moe_router_topk) == (52, 128, 6)
-    hybrid = model_facts.hybrid_facts_of(tmp_path / "ckpt")
-    assert hybrid == model_facts.HybridFacts(pattern=NANO_30B["hybrid_override_pattern"], mamba_num_heads=64,
-                                             mamba_head_dim=64, mamba_num_groups=8, mamba_state_dim=128,
-                                             num_experts=128, moe_router_topk=6, num_shared_experts=1)
-    assert (hybrid.pattern.count("M"), hybrid.pattern.count("E"), hybrid.pattern.count("*")) == (23, 23, 6)
+    assert (facts.num_layers, facts.num_experts, facts.moe_router_topk, facts.moe_ffn_hidden_size) == (52, 128, 6, 1856)
+    assert (facts.rope_theta, facts.rope_scaling) == (None, {})  # no rotary embedding
+    assert facts.family_facts == {"hybrid_override_pattern": NANO_30B["hybrid_override_pattern"],
+                                  "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+                                  "n_shared_experts": 1, "moe_shared_expert_intermediate_size": 3712}
+    pattern = facts.family_facts["hybrid_override_pattern"]
+    assert (pattern.count("M"), pattern.count("E"), pattern.count("*")) == (23, 23, 6)
 
 
 def test_transformers_5_layer_list_is_the_same_pattern(tmp_path):
     saved = {k: v for k, v in NANO_30B.items() if k not in ("num_hidden_layers", "hybrid_override_pattern")}
     saved["layers_block_type"] = [BLOCKS[c] for c in NANO_30B["hybrid_override_pattern"]]
     saved["layers_block_type"][0] = "linear_attention"   # transformers 5's own name for a Mamba block
-    assert model_facts.hybrid_facts(saved).pattern == NANO_30B["hybrid_override_pattern"]
+    assert model_facts.read_hf(saved, "t5")[0] == model_facts.read_hf(NANO_30B, "hub")[0]
+
+
+def test_the_pattern_counts_the_layers_whatever_num_hidden_layers_says(tmp_path):
+    """transformers derives num_hidden_layers from the pattern (a stale one is only warned about)."""
+    stale = {**NANO_30B, "num_hidden_layers": 7}
+    assert model_facts.read_hf(stale, "x")[0].num_layers == 52
+    unstated = {k: v for k, v in NANO_30B.items() if k != "num_hidden_layers"}
+    assert model_facts.read_hf(unstated, "x")[0].num_layers == 52
 
 
 def test_a_dense_hybrid_has_no_experts_whatever_its_defaults(tmp_path):
     """transformers writes n_routed_experts (default 8) for a pattern without E layers: not experts."""
-    dense = {**NANO_30B, "hybrid_override_pattern": "M*-M*-", "num_hidden_layers": 6}
+    dense = {**NANO_30B, "hybrid_override_pattern": "M*-M*-", "num_hidden_layers": 6, "num_experts_per_tok": 0}
     facts, _ = model_facts.read(checkpoint(tmp_path, dense))
-    assert (facts.num_layers, facts.num_experts, facts.moe_router_topk) == (6, 0, 0)
-    assert model_facts.hybrid_facts_of(tmp_path / "ckpt").num_shared_experts == 0
+    assert (facts.num_layers, facts.num_experts, facts.moe_router_topk, facts.moe_ffn_hidden_size) == (6, 0, 0, 0)
+    assert facts.family_facts["n_shared_experts"] == facts.family_facts["moe_shared_expert_intermediate_size"] == 0
+
+
+def test_absent_mamba_groups_are_what_transformers_assumes():
+    """NemotronHConfig's n_groups default is 8 (what megatron's provider then gets from the Bridge)."""
+    import transformers
+
+    given = {k: v for k, v in NANO_30B.items() if k != "n_groups"}
+    assert model_facts.read_hf(given, "x")[0].family_facts["n_groups"] == transformers.NemotronHConfig().n_groups == 8
 
 
 @pytest.mark.parametrize("change, message", [
     ({"hybrid_override_pattern": "MXM"}, "hybrid_override_pattern must be a string of M*-E (one per layer), got 'MXM'"),
+    ({"hybrid_override_pattern": None}, "hybrid_override_pattern is missing (a Nemotron-H config.json names its "
+                                        "layers: hybrid_override_pattern or layers_block_type)"),
+    ({"hybrid_override_pattern": None, "layers_block_type": ["mamba", "ssm"]},
+     "layers_block_type must be a list of attention, full_attention, linear_attention, mamba, mlp, moe, "
+     "got ['mamba', 'ssm']"),
     ({"n_groups": 3}, "n_groups 3 must divide mamba_num_heads 64"),
     ({"mamba_num_heads": None}, "mamba_num_heads is missing"),
     ({"num_experts_per_tok": 0}, "num_experts_per_tok must be in [1, n_routed_experts = 128] for the E layers"),
@@ -75,8 +97,7 @@ def errors(*overrides: str) -> list[str]:
     from launcher.config.schema import typed
     from launcher.config.validate import validate
 
-    raw = compose(list(overrides))
-    model_facts.apply(raw)  # as the launcher does: a model.path's numbers come from its config.json
+    raw = compose(list(overrides))  # resolves the model's facts, as the launcher does
     return [str(e) for e in validate(typed(raw))]
 
 
@@ -90,11 +111,19 @@ def test_nemotron_h_recipes_are_valid(overrides):
     assert errors(*overrides) == []
 
 
-def test_the_reference_topologys_placement_smoke_stand_in_is_a_valid_nemotron_h():
-    from tests.slurm.test_ultra_placement import STAND_IN
+def test_the_reference_topologys_placement_smoke_stand_in_is_a_valid_nemotron_h(tmp_path):
+    """tests/slurm/test_ultra_placement.py's model: its facts (a checkpoint's) fit ultra_6n4g."""
+    from launcher.config.compose import compose
+    from tests.helpers.nemotron_h import ultra_stand_in
 
-    assert "model=tiny_nemotron_h" in STAND_IN
-    assert errors("topology=ultra_6n4g", "run.job=placement_smoke", *STAND_IN) == []
+    stand_in = ultra_stand_in(tmp_path)
+    assert errors("topology=ultra_6n4g", "run.job=placement_smoke", *stand_in) == []
+    m = compose(["topology=ultra_6n4g", *stand_in]).model
+    assert (m.family, m.num_experts, m.num_attention_heads, m.num_query_groups, m.family_facts.mamba_num_heads,
+            m.family_facts.n_groups) == ("nemotron_h", 16, 8, 8, 8, 2)
+    # the facts are the checkpoint's: stated numbers do not make a stand-in (the recipe's 4 experts stay)
+    assert "must divide model.num_experts = 4, got 16" in " ".join(
+        errors("topology=ultra_6n4g", "run.job=placement_smoke", "model=tiny_nemotron_h", "model.num_experts=16"))
 
 
 def test_tensor_parallel_must_divide_the_mamba_heads_and_groups(tmp_path):
@@ -103,7 +132,7 @@ def test_tensor_parallel_must_divide_the_mamba_heads_and_groups(tmp_path):
            "mamba_num_heads": 12, "n_groups": 6}
     d = checkpoint(tmp_path, odd)
     assert errors(f"model.path={d}", "topology.train.tensor_parallel=4", "topology.train.ranks_per_node=4") == [
-        "topology.train.tensor_parallel: must divide the Mamba heads (12) and groups (6) of model tiny_llama, got 4"]
+        "topology.train.tensor_parallel: must divide the Mamba heads (12) and groups (6) of model ckpt, got 4"]
     assert errors(f"model.path={d}", "topology.train.tensor_parallel=2") == []
 
 

@@ -44,23 +44,21 @@ class AdapterExport:
     skipped: dict[str, list[str]] = field(default_factory=dict)
 
 
-def export_adapter(trainer_dir: Path, out: str | Path, base: Path, *, family: str, dim: int, alpha: float,
+def export_adapter(trainer_dir: Path, out: str | Path, base: Path, *, facts, dim: int, alpha: float,
                    peft_enabled: bool, config_file: Path) -> AdapterExport:
     """Write the LoRA adapter in `trainer_dir` (a trainer save_state) as HF PEFT files in `out`.
 
-    `base` is the resolved HF base model directory; family/dim/alpha/peft_enabled come from the
+    `base` is the resolved HF base model directory, `facts` the run's model facts
+    (launcher.config.model_facts.ModelFacts: the layout); dim/alpha/peft_enabled come from the
     run's config, `config_file`, which the messages name.
     """
     from workers import hf_checkpoint  # torch from here on
     from workers.lora import layout as lora_layout, peft
 
     try:
-        layout = lora_layout.ModelLayout.from_hf_config(base)
+        layout = lora_layout.ModelLayout.from_facts(facts)
     except ValueError as e:
-        raise ExportError(f"{base / 'config.json'}: {e}") from None
-    if layout.family != family:
-        raise ExportError(f"{base / 'config.json'} is a {layout.family} model but {config_file} "
-                          f"says model.family={family} (wrong --base-model?)")
+        raise ExportError(f"{config_file}: {e}") from None
 
     found = lora_checkpoint.scan(trainer_dir)
     if not found.lora:

@@ -27,7 +27,6 @@ Megatron imports are lazy (first use) and go through `workers.cpu_shim` on machi
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,7 +36,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from launcher.config.schema import FAMILIES
+from launcher.config import model_facts
+from launcher.config.model_facts import ModelFacts
+from launcher.config.schema import FAMILIES, ConfigError
 from workers import cpu_shim
 from workers.lora.checkpoint import LORA_A_SUFFIX, LORA_B_SUFFIX
 
@@ -85,6 +86,11 @@ class ModelLayout:
         return self.num_attention_heads // self.num_query_groups
 
     @classmethod
+    def from_facts(cls, facts: ModelFacts) -> "ModelLayout":
+        """From the run's model facts (launcher.config.model_facts): the numbers every consumer reads."""
+        return cls.from_model_section(facts.as_section())
+
+    @classmethod
     def from_model_section(cls, model: Mapping[str, Any]) -> "ModelLayout":
         """From the config's `model:` section (family, num_attention_heads, num_query_groups, ...)."""
         return cls(family=model["family"], num_attention_heads=int(model["num_attention_heads"]),
@@ -93,19 +99,20 @@ class ModelLayout:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelLayout":
-        """From an HF config: a checkpoint directory, a config.json path, a dict or a PretrainedConfig."""
+        """From an HF config (a checkpoint directory, a config.json path, a dict or a PretrainedConfig),
+        read by launcher.config.model_facts like every other reader of a checkpoint."""
         if isinstance(config, (str, Path)):
             path = Path(config)
-            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
-        model_type = get("model_type")
-        family = model_type  # HF's model_type names the family (llama, qwen2, nemotron_h)
-        if family not in FAMILIES:
-            raise ValueError(f"no LoRA layout for HF model_type {model_type!r}")
-        heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
-        return cls(family=family, num_attention_heads=heads,
-                   num_query_groups=int(get("num_key_value_heads") or heads),
-                   head_dim=int(get("head_dim") or hidden // heads), hidden_size=hidden)
+            try:
+                facts = model_facts.read(path if path.is_dir() else path.parent)[0]
+            except ConfigError as e:
+                raise ValueError(e.message) from None
+            return cls.from_facts(facts)
+        hf = dict(config) if isinstance(config, Mapping) else config.to_dict()
+        try:
+            return cls.from_facts(model_facts.read_hf(hf, "the HF config")[0])
+        except ConfigError as e:
+            raise ValueError(e.message) from None
 
     def bridge_config(self, feature_dim: int | None = None) -> SimpleNamespace:
         """The attributes Bridge's split/merge_qkv_weights read from a TransformerConfig.

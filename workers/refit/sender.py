@@ -21,11 +21,8 @@ from workers.refit.wire import RefitPayload, kind_of, lora_stream
 
 
 def _model_layout(trainer) -> lora_layout.ModelLayout:
-    """Attention numbers from lora_config(); the family from it or from the HF config."""
-    cfg = dict(trainer.lora_config())
-    if "family" not in cfg:
-        return lora_layout.ModelLayout.from_hf_config(trainer.cfg.model_path)
-    return lora_layout.ModelLayout.from_model_section(cfg)
+    """The layout of the run's model facts (the trainer's config holds them: TrainerConfig.facts)."""
+    return lora_layout.ModelLayout.from_facts(trainer.cfg.facts)
 
 
 class Sender:

@@ -346,13 +346,10 @@ class MegatronTrainer:
         self.refit_sender.close_group()
 
     def lora_config(self) -> dict:
-        pc, mc = self.cfg.peft, self.model_config
+        """The LoRA settings (the model's numbers are the run's facts: self.cfg.facts)."""
+        pc = self.cfg.peft
         return {"enabled": pc.enabled, "dim": pc.dim, "alpha": pc.alpha, "target_modules": list(pc.target_modules),
-                "dropout": pc.dropout, "dropout_position": pc.dropout_position,
-                "num_layers": mc.num_layers, "hidden_size": mc.hidden_size,
-                "num_attention_heads": mc.num_attention_heads, "num_query_groups": mc.num_query_groups,
-                "head_dim": mc.kv_channels, "ffn_hidden_size": mc.ffn_hidden_size,
-                "gated_linear_unit": bool(mc.gated_linear_unit)}
+                "dropout": pc.dropout, "dropout_position": pc.dropout_position}
 
     def adapter_state(self) -> dict:
         """{megatron name: full LoRA factor} (A = linear_in [r, in], B = linear_out [out, r]), TP-gathered."""

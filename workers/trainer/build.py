@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from workers import cpu_shim
-from workers.trainer import bridge_fixes, kernels
+from workers.trainer import bridge_fixes, kernels, provider_facts
 from workers.trainer.config import ParallelConfig, PeftConfig, TrainerConfig
 
 
@@ -88,6 +88,8 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     p, is_cpu = cfg.parallel, cpu_shim.is_cpu(cfg.device)
     bridge_fixes.apply()  # Megatron-Bridge defects (Mamba in_proj LoRA in the merged export)
     dtype = torch_dtype(cfg.dtype) or torch.float32
+    facts = cfg.facts  # the run's facts (config.yaml): what Megatron must build, and vLLM loads
+    facts_from = (cfg.model or {}).get("facts_from") or f"{cfg.model_path}/config.json"
     bridge = AutoBridge.from_hf_pretrained(cfg.model_path)  # no dtype=: it leaks into the tokenizer
     provider = bridge.to_megatron_provider(load_weights=True)
     provider.tensor_model_parallel_size = p.tensor_parallel
@@ -126,7 +128,12 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     for flag, value in kernels.settings(is_cpu).items():
         if hasattr(provider, flag):
             setattr(provider, flag, value)
+    provider_facts.apply(provider, facts)
     provider.finalize()
+    differ = provider_facts.check(provider, facts)
+    if differ:
+        raise ValueError(f"the model Megatron-Bridge built from {cfg.model_path} is not the run's ({facts_from}): "
+                         f"{'; '.join(differ)}")
     peft: dict = {}
     # after the bridge's weight-loading hook
     provider.register_pre_wrap_hook(lambda model: apply_peft(model, cfg.peft, cfg.seed, rank, peft))

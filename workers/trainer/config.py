@@ -8,7 +8,10 @@ loss) are schema's functions, so a trainer built outside the launcher refuses th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
+from launcher.config import model_facts
+from launcher.config.model_facts import ModelFacts
 from launcher.config.schema import Optim, Peft, TrainRole, from_dict, train_parallel_errors
 from workers import cpu_shim
 from workers.trainer.loss import LossConfig, loss_config
@@ -32,6 +35,9 @@ class TrainerConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    # the run's `model:` section (its resolved facts, launcher.config.model_facts); None: read them from
+    # model_path's config.json (a trainer built outside the launcher)
+    model: Optional[dict] = None
 
     @classmethod
     def from_sections(cls, model_path: str, *, parallel: dict | None = None, peft: dict | None = None,
@@ -52,8 +58,14 @@ class TrainerConfig:
             model_path, parallel=cfg["topology"]["train"], peft=cfg["peft"], optim=cfg["optim"],
             loss=cfg["grpo"]["loss"], **{"device": cfg["topology"]["device"], "dtype": cfg["model"]["dtype"],
                                          "seed": cfg["run"]["seed"], "max_num_steps": cfg["grpo"]["max_num_steps"],
-                                         "temperature": cfg["grpo"]["temperature"],
+                                         "temperature": cfg["grpo"]["temperature"], "model": cfg["model"],
                                          **top})
+
+    @property
+    def facts(self) -> ModelFacts:
+        """The model's facts: the run's (resolved at submission), else model_path's config.json."""
+        facts = model_facts.of_section(self.model) if self.model else None
+        return facts if facts is not None else model_facts.read(self.model_path)[0]
 
     def check(self) -> None:
         if self.peft.enabled and not self.peft.target_modules:
