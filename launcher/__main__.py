@@ -27,7 +27,7 @@ from launcher.config.schema import typed
 from launcher.config.validate import validate
 from launcher.job import run_dir as run_dir_mod
 from launcher.job import sbatch
-from launcher.job import stop as stop_mod
+from launcher.cluster import stop as stop_mod
 
 HELP = """\
 usage: python -m launcher [--cfg job|all] [-m [--max-points N]] [group=option ...] [key=value ...]

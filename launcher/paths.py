@@ -37,6 +37,12 @@ FAILURES = "failures.jsonl"         # one line per failure (retry.max_restarts c
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.txt"
 STARTUP = "startup.json"
+PLACEMENT = "placement.json"        # the placement smoke's report (run.job=placement_smoke, hold, preflight)
+PREFLIGHT_REPORT = "preflight.json" # run.job=preflight: every node's probe, the problems
+PREFLIGHT_TABLE = "preflight.txt"   # the same as the table it printed
+PREFLIGHT_PROBES = "preflight"      # RUN/preflight/<job>.<attempt>/: the probes' files
+RELEASE = "release"                 # run.job=hold: `touch RUN/release` ends it
+ACTOR_LOGS = "logs/actors"          # RUN/logs/actors/<host>-pid<pid>.log: every Ray worker's stdout/stderr
 IN_USE = ".in_use"                  # flock'ed by a local run's process while it lives
 STOP_REQUEST = "stop_requested"     # written by `python -m launcher.stop`
 STOPPED = "stopped.json"            # written when the driver ended because of it
@@ -99,6 +105,13 @@ def model_dir(cfg: Config) -> Path:
     if cfg.model.path:
         return absolute(cfg.model.path)
     return absolute(cfg.run.root) / "models" / str(cfg.model.builtin)
+
+
+def actor_log(actor_logs: str | Path, pid: int, host: str | None = None) -> str:
+    """The log file of the Ray worker process `pid` on `host` (default: this one), in RUN/logs/actors/."""
+    import socket
+
+    return str(Path(actor_logs) / f"{host or socket.gethostname()}-pid{pid}.log")
 
 
 def resume_spec(spec: str | None) -> str | None:

@@ -99,7 +99,7 @@ def newest_checkpoint(ckpt_root: Path) -> Path | None:
 def collect(run_dir: Path, slurm: bool = True) -> dict:
     """Everything the status view shows of one run, as plain data (what --json prints)."""
     from launcher.config import compose as config_mod
-    from launcher.job import stop as stop_mod
+    from launcher.cluster import stop as stop_mod
 
     run_dir = Path(run_dir).resolve()
     cfg = config_mod.load_typed(run_dir / paths.CONFIG)  # launcher.records: each record read here has its schema

@@ -3,7 +3,7 @@ a sweep) after its next checkpoint.
 
 The same path as a preemption inside the job (the driver ends at its step boundary, after saving
 a checkpoint), but the job is not requeued: this writes RUN/stop_requested, which the job's
-watch loop polls (launcher.job.stop.poll_stop_request). A job still pending is cancelled instead
+watch loop polls (launcher.cluster.stop.poll_stop_request). A job still pending is cancelled instead
 (it has nothing to checkpoint). Waits until the job has ended and says at which step and
 checkpoint it stopped; continue the run later with `+resume=latest`.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from launcher import progress
 from launcher import status as status_mod
-from launcher.job import stop as stop_mod
+from launcher.cluster import stop as stop_mod
 
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "REQUEUED", "RESIZING", "STOPPED", "SUBMITTED"}
 

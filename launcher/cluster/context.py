@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher import paths, records
+from launcher import logs, paths, records
 from launcher import plan as plan_mod
+
+_log = logs.get(__name__)
 
 
 class ClusterError(RuntimeError):
@@ -62,7 +63,8 @@ class JobContext:
 
 
 def log(msg: str) -> None:
-    print(f"[launcher {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    """A line of the job's log: `[launcher HH:MM:SS] msg` on stdout (launcher.logs)."""
+    _log.info(msg)
 
 
 def doing(ctx: JobContext) -> str:

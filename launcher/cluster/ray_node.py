@@ -17,7 +17,7 @@ from launcher import files, paths
 from launcher.cluster.context import ClusterError, JobContext, alive_resources, log, node_reports
 from launcher.cluster.join import JoinDeadline, index_ranges
 from launcher.config.schema import Config
-from launcher.job import stop
+from launcher.cluster import stop
 
 
 def connect(ctx: JobContext, ip: str, port: int) -> None:
@@ -27,7 +27,7 @@ def connect(ctx: JobContext, ip: str, port: int) -> None:
 
     from launcher.cluster import worker_setup
 
-    actor_logs = worker_setup.log_dir(ctx.run_dir)
+    actor_logs = str(ctx.run_dir / paths.ACTOR_LOGS)
     try:
         ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_setup.ENV: actor_logs},

@@ -87,12 +87,10 @@ class GrpoRun:
         self._print_actor_logs()
 
     def _print_actor_logs(self) -> None:
-        from launcher.cluster import worker_setup
-
-        d = worker_setup.log_dir(self.run_dir)
-        lines = [f"  trainer rank {i['rank']}: {worker_setup.path_for(d, i['pid'], i['hostname'])}"
+        d = self.run_dir / paths.ACTOR_LOGS
+        lines = [f"  trainer rank {i['rank']}: {paths.actor_log(d, i['pid'], i['hostname'])}"
                  for i in self.trainers.infos]
-        lines += [f"  vLLM engine {e}: {worker_setup.path_for(d, i['pid'], i.get('hostname'))}"
+        lines += [f"  vLLM engine {e}: {paths.actor_log(d, i['pid'], i.get('hostname'))}"
                   for e, i in enumerate(self.generators.infos)]
         log("actor logs:\n" + "\n".join(lines))
 

@@ -19,16 +19,17 @@ from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
-from launcher.config.schema import Config
-from launcher.driver import data, rewards
-from launcher.job import sbatch
 from launcher import files, paths
+from launcher.config.schema import Config
+from launcher.job import sbatch
 from launcher.paths import checkpoint_dirs
 
 
 def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
     """The config as saved in the run: every path absolute (`~` expanded), so the job does not
     depend on a cwd or a home directory."""
+    from launcher.driver import data
+
     out = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
     paths.absolute_config(out)
     data.absolute_sources(out)
@@ -182,6 +183,8 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
             moved = f"the newer checkpoints were moved to {aside}, " if aside.is_dir() else ""
             print(f"note: resuming from step {ckpt.step} starts a new branch: {moved}later metrics rows to "
                   f"{run_dir / 'abandoned' / aside.name} (nothing deleted)", file=sys.stderr)
+    from launcher.driver import rewards
+
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     config_mod.save(resolved(raw, run_dir), run_dir / paths.CONFIG)
     files.write(run_dir / paths.PLAN, plan.describe() + "\n" + memory.plan_memory(cfg, plan).describe() + "\n")

@@ -24,7 +24,7 @@ def job_ended(cluster, job: str, log: Path):
 def signal_in_held_step(cluster, job: str, run: Path, log: Path, signals: tuple[str, ...],
                         timeout: float) -> None:
     """Once step HELD_STEP is held (a job run with HELD_REWARD), send `signals` to the job's tasks
-    (scancel --signal), wait until task 0's log `log` says it took one (job.stop), then release it."""
+    (scancel --signal), wait until task 0's log `log` says it took one (launcher.cluster.stop), then release it."""
     ended = job_ended(cluster, job, log)
     wait_held(run, ended, timeout)
     for sig in signals:

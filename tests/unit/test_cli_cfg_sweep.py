@@ -20,7 +20,7 @@ from launcher import stop as stop_cli
 from launcher import sweep as sweep_mod
 from launcher.__main__ import main
 from launcher.config.compose import ConfigError
-from launcher.job import stop as stop_mod
+from launcher.cluster import stop as stop_mod
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]

@@ -138,9 +138,9 @@ def import_stubs(triton: bool, mamba_ssm: bool) -> None:
         _STUBS["triton"] = stub
         once("import_stubs")
     if mamba_ssm and "mamba_ssm" not in _STUBS:
-        from workers.cpu_shim import mamba
+        from workers.cpu_shim.mamba import package
 
-        _STUBS["mamba_ssm"] = mamba.package()
+        _STUBS["mamba_ssm"] = package()
         once("mamba_ssm")
     if "te" in _STUBS:
         return  # the hook is installed; it reads _STUBS
