@@ -64,12 +64,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from launcher.job.slurm_job import OVER as TERMINAL  # noqa: E402
 from tests.helpers.slurm_nodes import slurm_shape  # noqa: E402  (after REPO is on the path)
 
 PY = sys.executable
 CLUSTER_SCRIPTS = REPO / "tests" / "slurm_cluster"
-TERMINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-            "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"}
 POLL_S = 0.05
 
 

@@ -26,7 +26,7 @@ from launcher.config.compose import ConfigError
 from launcher.config.schema import typed
 from launcher.config.validate import validate
 from launcher.job import run_dir as run_dir_mod
-from launcher.job import sbatch
+from launcher.job import sbatch, slurm_job
 from launcher.cluster import stop as stop_mod
 
 HELP = """\
@@ -298,7 +298,7 @@ def _last_line(e: Exception) -> str:
 
 
 def _print_dry_run(r: Resolved) -> None:
-    from launcher.job.submit import submitit_folder
+    from launcher.job.slurm_job import submitit_folder
 
     cfg, raw, plan, run_dir, spec = r.cfg, r.raw, r.plan, r.run_dir, r.spec
     print(f"== plan: topology {cfg.topology.name} ({cfg.topology.executor}, {len(plan.nodes)} node(s))")
@@ -332,7 +332,7 @@ def _submit(cfg, plan, run_dir: Path) -> int:
     except Exception as e:  # sbatch refused (bad partition, no Slurm...): say what Slurm said
         print(f"error: submission failed: {_last_line(e)}", file=sys.stderr)
         return 1
-    log = run_dir / "submitit" / job_id / f"{job_id}_0_log.out"
+    log, _ = slurm_job.task_logs(run_dir, job_id)
     print(f"submitted job {job_id} ({len(plan.nodes)} nodes) for run {cfg.run.name}")
     print(f"  run directory: {run_dir}")
     print(f"  follow the driver: tail -F {log}")

@@ -18,8 +18,7 @@ from pathlib import Path
 from launcher import progress
 from launcher import status as status_mod
 from launcher.cluster import stop as stop_mod
-
-ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "REQUEUED", "RESIZING", "STOPPED", "SUBMITTED"}
+from launcher.job import slurm_job
 
 
 def _say(msg: str) -> None:
@@ -39,7 +38,7 @@ def ask(run_dir: Path, alone: bool = True) -> tuple[str | None, int]:
         _say(f"job {job} ({info['run']}) was still pending: cancelled (nothing to checkpoint; it reached step "
              f"{info['step']})")
         return None, 0
-    if state not in ACTIVE:
+    if state not in slurm_job.ACTIVE:
         if not alone:
             _say(f"{info['run']}: not running (job {job or '-'} {state}); nothing to stop")
             return None, 0

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.driver import metric_names as names
+
 
 # Ray custom resources of the placement (launcher.plan): a node offers one unit per trainer rank /
 # vLLM worker it hosts; actors ask for them (workers may not import launcher.plan, so they live here).
@@ -291,7 +293,7 @@ class Checkpointing:
     dir: Optional[str] = None
     save_period: int = 5
     keep_top_k: Optional[int] = 1
-    metric_name: str = "train/reward"
+    metric_name: str = names.REWARD
     higher_is_better: bool = True
 
 

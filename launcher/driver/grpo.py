@@ -17,11 +17,11 @@ import time
 
 from omegaconf import OmegaConf
 
-from launcher import files, paths
+from launcher import files, paths, progress
 from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext, log
 from launcher.config.schema import Config, ConfigError
-from launcher.driver import advantages, data, models, rewards
+from launcher.driver import advantages, data, metric_names as names, models, rewards
 from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
 from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary
@@ -136,20 +136,20 @@ class GrpoRun:
     def refit(self) -> dict:
         from workers.refit import control as refit
 
-        self.phase("refit")
+        self.phase(progress.REFIT)
         actors = self.trainers.actors
         report = refit.run_refit(lambda: [a.refit_payload.remote(self.cfg.refit.mode, self.cfg.refit.bucket_mb)
                                           for a in actors], self.generators, self.cfg.refit.mode)
-        return {"timing/transfer_and_update_weights": report.transfer_and_update_weights_s,
-                "refit/bytes": report.bytes, "refit/tensors": report.tensors}
+        return {names.REFIT_TIME: report.transfer_and_update_weights_s,
+                names.REFIT_BYTES: report.bytes, names.REFIT_TENSORS: report.tensors}
 
     def validate(self, step: int) -> dict:
-        self.phase("validation")
+        self.phase(progress.VALIDATION)
         t = time.perf_counter()
         m = validation(self.cfg, self.generators, self.val, self.rewards, step)
-        m["timing/validation"] = time.perf_counter() - t
-        log(f"validation after step {step}: reward {m['val/reward']:.3f}  accuracy {m['val/accuracy']:.3f}"
-            + (f"  ({m['val/reward_errors']} reward errors)" if m["val/reward_errors"] else ""))
+        m[names.VALIDATION_TIME] = time.perf_counter() - t
+        log(f"validation after step {step}: reward {m[names.VAL_REWARD]:.3f}  accuracy {m[names.VAL_ACCURACY]:.3f}"
+            + (f"  ({m[names.VAL_REWARD_ERRORS]} reward errors)" if m[names.VAL_REWARD_ERRORS] else ""))
         return m
 
     def train_step(self, step: int, position: int) -> tuple[dict, int]:
@@ -158,32 +158,32 @@ class GrpoRun:
 
         g = self.cfg.grpo
         t = time.perf_counter()
-        self.phase("generation")
+        self.phase(progress.GENERATION)
         rollout, position, m = collect(self.cfg, self.generators, self.prompts, self.rewards, step, position)
-        m["timing/generation"] = time.perf_counter() - t
-        if m["data/dropped_prompts"]:
-            log(f"step {step}: skipped {m['data/dropped_prompts']} prompt(s) longer than {self.prompts.max_tokens} "
+        m[names.GENERATION_TIME] = time.perf_counter() - t
+        if m[names.DROPPED_PROMPTS]:
+            log(f"step {step}: skipped {m[names.DROPPED_PROMPTS]} prompt(s) longer than {self.prompts.max_tokens} "
                 f"tokens (data.max_prompt_tokens)")
         adv = advantages.compute(rollout.rewards, g,
                                  advantages.overlong_penalty([len(x) for x in rollout.response_ids], g))
         batch = build_batch(rollout, adv, self.tokenizer.pad_token_id or 0)
         t = time.perf_counter()
-        self.phase("logprobs")
+        self.phase(progress.LOGPROBS)
         batch["prev_logprobs"] = self.trainers.logprobs(batch)
         if g.loss.reference_policy_kl_penalty > 0:
             batch["reference_logprobs"] = self.trainers.logprobs(batch, adapters=False)
-        m["timing/logprobs"] = time.perf_counter() - t
+        m[names.LOGPROBS_TIME] = time.perf_counter() - t
         agree = agreement_metrics(batch["generation_logprobs"], batch["prev_logprobs"], batch["loss_mask"])
         t = time.perf_counter()
-        self.phase("training")
+        self.phase(progress.TRAINING)
         train = self.trainers.train(batch)
-        m["timing/training"] = time.perf_counter() - t
-        m.update({"train/reward": sum(rollout.rewards) / len(rollout.rewards),
-                  "train/token_mult_prob_error": agree["token_mult_prob_error"],
-                  "train/gen_kl_error": agree["gen_kl_error"],
-                  "train/mean_response_tokens": float(batch["loss_mask"].sum()) / len(rollout.rewards)})
-        m.update({f"train/{k}": v for k, v in train.items() if isinstance(v, (int, float)) or hasattr(v, "item")})
-        m["sample"] = rollout.texts[0]
+        m[names.TRAINING_TIME] = time.perf_counter() - t
+        m.update({names.REWARD: sum(rollout.rewards) / len(rollout.rewards),
+                  names.TOKEN_MULT_PROB_ERROR: agree["token_mult_prob_error"],
+                  names.GEN_KL_ERROR: agree["gen_kl_error"],
+                  names.MEAN_RESPONSE_TOKENS: float(batch["loss_mask"].sum()) / len(rollout.rewards)})
+        m.update({f"{names.TRAIN}{k}": v for k, v in train.items() if isinstance(v, (int, float)) or hasattr(v, "item")})
+        m[names.SAMPLE] = rollout.texts[0]
         return m, position
 
     # ------------------------------------------------------------------ the loop
@@ -195,7 +195,7 @@ class GrpoRun:
             ckpt = self.ckpts.resolve(cfg.resume)
             check_compatible(ckpt.path, cfg)
             info = ckpt.info()
-            self.phase("resume")
+            self.phase(progress.RESUME)
             restored = self.named_failures(self.trainers.load_state, str(ckpt.path / "trainer"))
             step, position = int(info["step"]), int(info["consumed_prompts"])
             log(f"resumed from {ckpt.path} (step {step}, {position} prompts consumed; trainer {restored})")
@@ -209,22 +209,22 @@ class GrpoRun:
                 step += 1
                 self.ctx.progress["step"] = step
                 t0 = time.perf_counter()
-                row: dict = {"timing/transfer_and_update_weights": 0.0, "refit/bytes": 0}
+                row: dict = {names.REFIT_TIME: 0.0, names.REFIT_BYTES: 0}
                 try:
                     if stale:  # the trainer changed since the last push (always true after a train step)
                         row.update(self.refit())
                     if step == 1 and g.val_at_start and self.val is not None:
-                        row.update({f"{k}_at_start": v for k, v in self.validate(0).items()})
+                        row.update({f"{k}{names.AT_START}": v for k, v in self.validate(0).items()})
                     m, position = self.train_step(step, position)
                     row.update(m)
                     stale = True
                     if self.val is not None and g.val_period and (step % g.val_period == 0):
                         pushed = self.refit()  # validate the weights this step produced
-                        key = "timing/transfer_and_update_weights"
+                        key = names.REFIT_TIME
                         row.update({**pushed, key: row[key] + pushed[key]})
                         stale = False
                         row.update(self.validate(step))
-                    row["timing/total_step"] = time.perf_counter() - t0
+                    row[names.STEP_TIME] = time.perf_counter() - t0
                     if self.ckpts.due(step, g.max_num_steps, stopping=self.stop.is_set()):
                         self.save(step, position, row, config_yaml)
                         last_saved = step
@@ -282,21 +282,21 @@ class GrpoRun:
                              f"(free space or set checkpointing.dir)")
 
     def save(self, step: int, position: int, row: dict, config_yaml: str) -> None:
-        self.phase("checkpoint")
+        self.phase(progress.CHECKPOINT)
         self.check_disk(step)
         t = time.perf_counter()
         tmp = self.ckpts.begin(step)
         self.trainers.save_state(str(tmp / "trainer"))
         metrics = {k: v for k, v in row.items() if isinstance(v, (int, float))}
         ckpt = self.ckpts.commit(tmp, step, {"consumed_prompts": position, "metrics": metrics}, config_yaml)
-        row["timing/checkpoint"] = time.perf_counter() - t
-        log(f"checkpoint {ckpt.path} ({row['timing/checkpoint']:.1f}s)")
+        row[names.CHECKPOINT_TIME] = time.perf_counter() - t
+        log(f"checkpoint {ckpt.path} ({row[names.CHECKPOINT_TIME]:.1f}s)")
 
 
 def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event | None = None) -> dict:
     grpo = GrpoRun(cfg, plan, ctx, stop)
     try:
-        ctx.progress["phase"] = "start-up"
+        ctx.progress["phase"] = progress.START_UP
         grpo.named_failures(grpo.start)
         return grpo.run()
     finally:

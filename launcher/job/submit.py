@@ -15,6 +15,7 @@ from launcher import files, paths
 from launcher import plan as plan_mod
 from launcher.config.schema import Config
 from launcher.job import sbatch
+from launcher.job.slurm_job import submitit_folder
 
 
 class JobTask(submitit.helpers.Checkpointable):
@@ -44,10 +45,6 @@ def _budget_s(run_dir: str) -> float:
 
     cfg = load_typed(Path(run_dir) / paths.CONFIG)
     return max(5.0, cfg.slurm.signal_delay_s - 15.0)
-
-
-def submitit_folder(run_dir: Path) -> Path:
-    return run_dir / "submitit" / "%j"
 
 
 def submit_slurm(cfg: Config, plan: plan_mod.Plan, run_dir: Path) -> submitit.Job:

@@ -8,14 +8,16 @@ import json
 import re
 from pathlib import Path
 
+from launcher.job import slurm_job
 from tests.helpers.held_step import HELD_STEP, release, steps_logged, wait_held, wait_until
 
 
 def job_ended(cluster, job: str, log: Path):
-    """For held_step.wait_until: None while `job` is pending or running, else its state and log tail."""
+    """For held_step.wait_until: None while `job` is not over (launcher.job.slurm_job.OVER), else
+    its state and log tail."""
     def ended() -> str | None:
         state = cluster.sacct_state(job)
-        if state in (None, "PENDING", "RUNNING"):
+        if state is None or state not in slurm_job.OVER:
             return None
         return f"job {job} is {state}: " + (log.read_text()[-3000:] if log.exists() else "no log")
     return ended

@@ -288,6 +288,9 @@ def test_heartbeat_says_what_a_long_wait_waits_for():
     assert said == ["still training (step 2) (0s)"]
     assert progress.phase_text({}) == "starting: loading the model, starting trainer and vLLM actors"
     assert progress.phase_text({"phase": "checkpoint", "step": 4}) == "writing a checkpoint (step 4)"
+    # what the driver sets reads as such: its start-up (was "start-up" verbatim) and validation
+    assert progress.phase_text({"phase": "start-up"}) == progress.phase_text({})
+    assert progress.phase_text({"phase": "validation", "step": 4}) == "validating (step 4)"
 
 
 # ------------------------------------------------------------------------------------- status, stop
