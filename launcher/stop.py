@@ -15,14 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import progress
+from launcher import logs, progress
 from launcher import status as status_mod
 from launcher.cluster import stop as stop_mod
 from launcher.job import slurm_job
 
+_log = logs.get(__name__)
+
 
 def _say(msg: str) -> None:
-    print(msg, flush=True)
+    """A line of the command's progress, on stdout (launcher.logs: silenced by --quiet)."""
+    _log.info(msg, extra=logs.PLAIN)
 
 
 def ask(run_dir: Path, alone: bool = True) -> tuple[str | None, int]:

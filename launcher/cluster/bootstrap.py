@@ -276,15 +276,18 @@ def _report_failure(ctx: JobContext, reason: str, what: str = "cannot join the R
 
 def main(argv: list[str] | None = None) -> int:
     """`srun python -m launcher.cluster.bootstrap RUN_DIR`: the sbatch template's entry point."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m launcher.cluster.bootstrap RUN_DIR   (one task per node, inside a Slurm job)",
-              file=sys.stderr)
-        return 2
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m launcher.cluster.bootstrap",
+                                     description="One task per node, inside a Slurm job (ray_job.sbatch runs it "
+                                                 "through srun): node 0 runs the Ray head and the driver, the "
+                                                 "others a Ray worker.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory the launcher wrote")
+    run_dir = parser.parse_args(argv).run_dir  # a mistake: usage on stderr, exit code 2
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # lets submitit.JobEnvironment read the Slurm env
     stop.ignore_job_signals()  # default action: die; a worker task must outlive the checkpoint
     try:
-        result = run_task(argv[0], plain_sbatch=True)
+        result = run_task(run_dir, plain_sbatch=True)
     except (ClusterError, config_mod.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import socket
 import subprocess
@@ -298,6 +299,7 @@ def _launch(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, args: dict) -> su
         if cfg.slurm.container_mounts:
             srun.append(f"--container-mounts={cfg.slurm.container_mounts}")
         cmd = srun + cmd
+    logs.get(__name__).debug(f"preflight: $ {shlex.join(cmd[:-1])} '<the probe's arguments>'")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_STEP_")}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd="/")
 

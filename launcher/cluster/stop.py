@@ -33,7 +33,7 @@ from launcher import files, logs, paths, records
 
 JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 _log = logs.get(__name__)
-_say = _log.info
+_say = _log.warning   # why the run stops: said also under --quiet
 
 
 @dataclass
@@ -74,8 +74,8 @@ def _on_job_signal(signum, frame) -> None:
 def _on_sigint(signum, frame) -> None:
     if CURRENT is None or CURRENT.stop.is_set():
         raise KeyboardInterrupt  # the second Ctrl-C: stop now
-    _log.info("\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again to stop now)",
-              extra=logs.PLAIN)
+    _log.warning("\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again to stop now)",
+                 extra=logs.PLAIN)
     CURRENT.stop.set()
 
 

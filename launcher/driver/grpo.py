@@ -17,9 +17,9 @@ import time
 
 from omegaconf import OmegaConf
 
-from launcher import files, paths, progress
+from launcher import files, logs, paths, progress
 from launcher import plan as plan_mod
-from launcher.cluster.context import JobContext, log
+from launcher.cluster.context import JobContext
 from launcher.config.schema import Config, ConfigError
 from launcher.driver import advantages, data, metric_names as names, models, rewards
 from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
@@ -28,6 +28,8 @@ from launcher.driver.metrics import MetricsLogger, plot, read, summary
 from launcher.driver.rollout import build_batch, collect, validation
 from launcher.driver.startup import Startup, actor_parts, start_together, step_parts, summary_text, warmed_up
 from launcher.paths import checkpoint_dirs
+
+log = logs.get(__name__).info
 
 
 class GrpoRun:
@@ -83,7 +85,7 @@ class GrpoRun:
                                   timeout_s=cfg.refit.timeout_s)
         self.startup.mark("refit transport set up")
         log(f"actors up in {time.time() - t0:.1f}s; refit {cfg.refit.mode} over {transport}")
-        print(self.trainers.peft_statistics, flush=True)
+        log(self.trainers.peft_statistics, extra=logs.PLAIN)
         self._print_actor_logs()
 
     def _print_actor_logs(self) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-from launcher import files, paths, progress
+from launcher import files, logs, paths, progress
 from launcher.config.schema import Logging
 from launcher.driver import metric_names as names
+
+_log = logs.get(__name__)
 
 
 def read(path: Path) -> list[dict]:
@@ -58,7 +59,7 @@ class MetricsLogger:
         self._progress(step, row)
 
     def _progress(self, step: int, row: dict) -> None:
-        print(progress.step_line(step, self.total, row), flush=True, file=sys.stdout)
+        _log.info(progress.step_line(step, self.total, row), extra=logs.PLAIN)
 
     def close(self) -> None:
         if self.tb is not None:

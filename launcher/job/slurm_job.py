@@ -16,8 +16,11 @@ waits (`OVER`), and to `python -m launcher.stop` (`ACTIVE`: a job that can still
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
+
+from launcher import logs
 
 # the job never runs again (squeue still lists it for a while)
 FINISHED = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -30,10 +33,12 @@ ACTIVE = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "REQUEU
 # ended by a failure: its log's last `error:` line says why
 FAILED = frozenset({"FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL"})
 TIMEOUT_S = 20
+_log = logs.get(__name__)
 
 
 def _run(*cmd: str) -> str | None:
     """A Slurm command's stdout; None when it failed or there is no Slurm here."""
+    _log.debug("$ " + shlex.join(cmd))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):

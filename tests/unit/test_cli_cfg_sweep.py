@@ -63,7 +63,9 @@ def test_cfg_all_adds_the_derived_run_dir_and_plan_and_imports_no_torch(tmp_path
     (["--cfg", "hydra"], "error: --cfg: must be job or all, got 'hydra' (there is no hydra config to print)"),
     (["--cfg"], "error: --cfg: needs a value: job or all"),
     (["--max-points=0", "-m", "peft.dim=8"], "error: --max-points: must be a positive whole number, got '0'"),
-    (["--verbose"], "error: --verbose: not an option; arguments are key=value overrides (see --help)"),
+    (["--verbosity"], "error: --verbosity: not an option; arguments are key=value overrides (see --help)"),
+    (["--max"], "error: --max: not an option; arguments are key=value overrides (see --help)"),  # no abbreviations
+    (["-q", "-v"], "error: -v: not allowed with argument -q/--quiet"),
     (["peft.dim=8,16"], "error: peft.dim=8,16: is a sweep: add -m (--multirun) for one run per value, or quote "
                         "a value that holds commas: key='a,b'"),
 ])
