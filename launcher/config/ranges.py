@@ -130,6 +130,7 @@ FIELDS: dict[str, Range | OneOf | Text | Elsewhere | Free] = {
     "topology.train.context_parallel": Range(**PARALLEL),
     "topology.train.expert_parallel": Range(**PARALLEL),
     "topology.train.expert_tensor_parallel": Range(**PARALLEL),
+    "topology.train.micro_batch_size": Range(0, 1 << 16),
     "topology.generation.nodes": Range(**COUNT),
     "topology.generation.ranks_per_node": Range(**PARALLEL),
     "topology.generation.engines": Range(**COUNT),

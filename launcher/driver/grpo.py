@@ -265,7 +265,7 @@ class GrpoRun:
         name = f"step {self.ctx.progress['step']} (this run's first)"
         self.startup.mark(name)
         self.startup.parts(name, step_parts(row), concurrent=False)
-        self.startup.write(self.run_dir / "startup.json")
+        self.startup.write(self.run_dir / paths.STARTUP)
         log(self.startup.format())
 
     def check_disk(self, step: int) -> None:

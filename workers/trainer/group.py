@@ -48,10 +48,10 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
 
 
 class TrainerGroup:
+    ACTOR: type[MegatronTrainer] = MegatronTrainer   # what each rank runs (tests/helpers/trainer.py: a probed one)
+
     def __init__(self, config: TrainerConfig, actor_options: Optional[list[dict]] = None,
-                 num_ranks: Optional[int] = None, poll_s: float = 1.0,
-                 actor_cls: type[MegatronTrainer] = MegatronTrainer):
-        """actor_cls: the class each rank's actor runs (a subclass adds probes in tests)."""
+                 num_ranks: Optional[int] = None, poll_s: float = 1.0):
         if actor_options is None:
             if not num_ranks:
                 raise ValueError("give actor_options (one dict per rank) or num_ranks")
@@ -61,7 +61,7 @@ class TrainerGroup:
         self.config = config
         self.world_size = len(actor_options)
         self.poll_s = poll_s
-        remote_cls = ray.remote(actor_cls)
+        remote_cls = ray.remote(self.ACTOR)
         self.actors = [remote_cls.options(**opts).remote(config, rank, self.world_size)
                        for rank, opts in enumerate(actor_options)]
         self.where = self._call("where")
@@ -103,10 +103,6 @@ class TrainerGroup:
             refs.append(getattr(actor, method).remote(*call_args, **kwargs))
         return self._get(refs, list(range(len(refs))))
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        """Run any MegatronTrainer method on every rank; answers in rank order."""
-        return self._call(method, *args, **kwargs)
-
     def _shards(self, batch: dict) -> list[tuple]:
         shards = split_batch(batch, self.dp_size)
         return [(shards[info["dp_rank"]],) for info in self.infos]
@@ -123,14 +119,8 @@ class TrainerGroup:
     def train(self, batch: dict) -> dict:
         return self._call("train", per_rank_args=self._shards(batch))[0]
 
-    def export_merged(self) -> list[tuple[str, Any]]:
-        return self._call("export_merged_state", keep="rank0")[0]
-
     def adapter_state(self) -> dict:
         return self._call("adapter_state")[0]
-
-    def optimizer_state(self) -> dict:
-        return self._call("optimizer_state")[0]
 
     def lora_config(self) -> dict:
         return self._call("lora_config")[0]
