@@ -3,7 +3,7 @@ run directory, and how it reports (`log`, ClusterError naming nodes and logs).
 
 The liveness checks: `check_reports` (each node's bootstrap reports its own Ray stopping) and
 `check_alive` (Ray's node list). The bootstrap's watch loop uses both (the list asked from a thread
-of its own, bootstrap.NodeQuery); the driver's failure messages the reports (failures.lost_node).
+of its own, watch.NodeQuery); the driver's failure messages the reports (failures.lost_node).
 """
 
 from __future__ import annotations

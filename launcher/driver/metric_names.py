@@ -16,7 +16,7 @@ REWARD = "train/reward"
 GEN_KL_ERROR = "train/gen_kl_error"                  # trainer vs generator logprobs (driver.agreement)
 TOKEN_MULT_PROB_ERROR = "train/token_mult_prob_error"
 MEAN_RESPONSE_TOKENS = "train/mean_response_tokens"
-TRAIN = "train/"                                     # + a key of the trainer's own (workers.trainer.actor.train)
+TRAIN = "train/"                                     # + a key of the trainer's own (workers.trainer.actor.MegatronTrainer.train)
 LOSS = TRAIN + "loss"
 # greedy validation (every grpo.val_period steps; with AT_START appended: before the first step)
 VAL = "val/"

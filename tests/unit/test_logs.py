@@ -51,7 +51,7 @@ def test_a_root_handler_does_not_double_the_lines(capsys):
 
 
 def test_quiet_and_verbose_on_every_commands_parser(capsys):
-    p = cli.Parser(prog="python -m launcher.x")
+    p = cli.Parser(prog="demo")
     assert p.parse_args(["-q"]).verbosity == -1
     context.log("progress")
     logs.get("launcher.cluster").warning("why the run stops")
