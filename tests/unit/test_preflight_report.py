@@ -17,7 +17,7 @@ from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext
 from launcher.config import compose
 from launcher.config.schema import typed
-from launcher.driver import preflight
+from launcher.cluster import preflight
 
 HOSTS = ["gpu-a", "gpu-b", "gpu-c"]
 
@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
             "model_dir": str(root / "models" / "tiny_llama"), "model_must_exist": False,
             "checkpoint_dir": str(run_dir / "checkpoints"), "train_hosts": [], "world": 1, "timeout_s": 30,
             "master": "127.0.0.1:1"}
-    probe = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.driver import "
+    probe = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.cluster import "
                                        "preflight; print(json.dumps(preflight.probe(json.loads(sys.argv[1]))))",
                                        json.dumps(args)], capture_output=True, text=True, check=True,
                                       env={"CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin:/bin"}).stdout)
@@ -145,7 +145,7 @@ def test_a_real_probe_imports_what_its_roles_need_and_each_failure_is_a_problem_
             "generation_hosts": [socket.gethostname()], "world": 1, "timeout_s": 30, "master": "127.0.0.1:1",
             "needs": {"train": [["mamba_ssm", "not asked: this node does not train"]],
                       "generation": [["json:JSONDecoder", "present"], ["no_such_executor_pkg:Executor", "missing"]]}}
-    real = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.driver import "
+    real = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.cluster import "
                                       "preflight; print(json.dumps(preflight.probe(json.loads(sys.argv[1]))))",
                                       json.dumps(args)], capture_output=True, text=True, check=True,
                                      cwd=str(Path(__file__).resolve().parents[2])).stdout)
