@@ -192,15 +192,6 @@ class Call:
         return self.fn, self.args
 
 
-def _real_import():
-    """builtins.__import__ itself, also once workers.cpu_shim has put its import hook there in this
-    process (earlier tests apply the shim; the hook pickles under its own name)."""
-    import sys
-
-    shim = sys.modules.get("workers.cpu_shim.megatron")
-    return getattr(shim, "_ORIGINAL_IMPORT", builtins.__import__)
-
-
 def _code(marker: Path) -> str:
     return f"open({str(marker)!r}, 'w').write('ran')"
 
@@ -210,9 +201,9 @@ GADGETS = {  # name: (pickled object for a marker path, the global refused first
     "exec": (lambda m: Call(builtins.exec, _code(m)), "builtins.exec", True),
     "open": (lambda m: Call(builtins.open, str(m), "w"), "builtins.open", True),
     "compile": (lambda m: Call(builtins.compile, _code(m), "<pickle>", "exec"), "builtins.compile", False),
-    "getattr": (lambda m: Call(builtins.getattr, Call(_real_import(), "os"), "system"), "builtins.getattr", False),
-    "__import__": (lambda m: Call(_real_import(), "os"), "builtins.__import__", False),
-    "setattr": (lambda m: Call(builtins.setattr, Call(_real_import(), "os"), "x", 1), "builtins.setattr", False),
+    "getattr": (lambda m: Call(builtins.getattr, Call(builtins.__import__, "os"), "system"), "builtins.getattr", False),
+    "__import__": (lambda m: Call(builtins.__import__, "os"), "builtins.__import__", False),
+    "setattr": (lambda m: Call(builtins.setattr, Call(builtins.__import__, "os"), "x", 1), "builtins.setattr", False),
     "vars": (lambda m: Call(builtins.vars), "builtins.vars", False),
     "globals": (lambda m: Call(builtins.globals), "builtins.globals", False),
     "breakpoint": (lambda m: Call(builtins.breakpoint), "builtins.breakpoint", False),
@@ -244,13 +235,8 @@ def _real_builtins(fn):
 
 
 def _pickles(obj) -> dict[str, bytes]:
-    """The same object at every protocol: GLOBAL (0-3) and STACK_GLOBAL (4-5) opcodes (with the
-    real builtins.__import__ in place while pickling: pickle finds a function by its name)."""
-    hooked, builtins.__import__ = builtins.__import__, _real_import()
-    try:
-        return {f"protocol {p}": pickle.dumps(obj, protocol=p) for p in (0, 2, 4, 5)}
-    finally:
-        builtins.__import__ = hooked
+    """The same object at every protocol: GLOBAL (0-3) and STACK_GLOBAL (4-5) opcodes."""
+    return {f"protocol {p}": pickle.dumps(obj, protocol=p) for p in (0, 2, 4, 5)}
 
 
 @pytest.mark.parametrize("name", list(GADGETS))
