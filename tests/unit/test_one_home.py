@@ -18,7 +18,7 @@ from launcher.driver import metric_names as names
 from launcher.job import slurm_job
 
 ROOT = Path(__file__).resolve().parents[2]
-METRIC_KEY = re.compile(r"^(train|val|timing|refit|data|reward)/[a-z_]+$")
+METRIC_KEY = re.compile(r"^(train|val|timing|refit|data|reward|response|dynamic_sampling|pipeline)/[a-z_]+$")
 
 
 def metric_literals(source: str) -> list[str]:
@@ -31,30 +31,61 @@ def test_metric_keys_are_written_only_in_metric_names():
              if p.name != "metric_names.py" and (keys := metric_literals(p.read_text()))}
     assert found == {}
     assert metric_literals('row = {"train/reward": 1.0, "step": 3}') == ["train/reward"]  # the scan finds one
+    assert metric_literals('m = {"pipeline/lag": 1, "response/truncated_fraction": 0.0}') == [
+        "pipeline/lag", "response/truncated_fraction"]
+
+
+def phases_set(sources: list[str]) -> list[ast.expr]:
+    """What the code sets as the driver's phase: every `...["phase"] = value`; where the value is a
+    parameter of the function around it (a setter: GrpoRun.phase(name), the pipeline's
+    _doing(phase, ...)), the arguments its callers pass for that parameter instead."""
+    values: list[ast.expr] = []
+    setters: dict[str, int] = {}   # a setter's name -> the position of its phase parameter
+
+    def visit(node: ast.AST, function: str, params: list[str]) -> None:
+        if isinstance(node, ast.FunctionDef):
+            function, params = node.name, [a.arg for a in node.args.args if a.arg != "self"]
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript)
+                and isinstance(node.targets[0].slice, ast.Constant) and node.targets[0].slice.value == "phase"):
+            if isinstance(node.value, ast.Name) and node.value.id in params:
+                setters[function] = params.index(node.value.id)
+            else:
+                values.append(node.value)
+        for child in ast.iter_child_nodes(node):
+            visit(child, function, params)
+
+    trees = [ast.parse(source) for source in sources]
+    for tree in trees:
+        visit(tree, "", [])
+    for tree in trees:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call):
+                name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+                if name in setters and len(n.args) > setters[name]:
+                    values.append(n.args[setters[name]])
+    return values
 
 
 def test_the_phases_the_driver_sets_are_the_ones_progress_reads():
-    """Every `self.phase(...)` / ctx.progress["phase"] = ... of the driver names a progress
-    constant (a string there would be a second list), and each has its text."""
-    set_by_driver = []
-    for path in (ROOT / "launcher" / "driver").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        setter = {id(x) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "phase"
-                  for x in ast.walk(f)}  # GrpoRun.phase(name) itself
-        for n in ast.walk(tree):
-            if id(n) in setter:
-                continue
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "phase":
-                set_by_driver += n.args
-            if (isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Subscript)
-                    and isinstance(n.targets[0].slice, ast.Constant) and n.targets[0].slice.value == "phase"):
-                set_by_driver.append(n.value)
+    """Every `self.phase(...)` / ctx.progress["phase"] = ... of the driver, directly or through a
+    setter, names a progress constant (a string there would be a second list), and each has its text."""
+    set_by_driver = phases_set([p.read_text() for p in (ROOT / "launcher" / "driver").rglob("*.py")])
     assert len(set_by_driver) >= 8
     for arg in set_by_driver:
         assert isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "progress", \
             ast.unparse(arg)
         assert getattr(progress, arg.attr) in progress.PHASES
     assert progress.phase_text({"phase": progress.START_UP}) == progress.PHASES[progress.START_UP]
+
+
+def test_a_phase_passed_through_a_setter_is_seen():
+    found = phases_set(["class P:\n"
+                        "    def _doing(self, phase, step, fn):\n"
+                        "        self.progress['phase'] = phase\n"
+                        "    def run(self):\n"
+                        "        self._doing('refit', 1, f)\n"
+                        "        self.progress['phase'] = progress.GENERATION\n"])
+    assert sorted(ast.unparse(v) for v in found) == ["'refit'", "progress.GENERATION"]
 
 
 def test_slurm_states_mean_what_submitit_reads_them_as():
