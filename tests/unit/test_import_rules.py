@@ -8,7 +8,10 @@ both directions:
   progress, the JobContext in cluster/context.py, the metric names in driver/metric_names.py);
 - forward: a stage imports a later stage only inside a function, at the hand-off (the submission
   names the bootstrap, the bootstrap the driver's job kinds): importing a stage never loads a
-  later one;
+  later one. One exception, the SEAM: the driver imports workers/contracts.py (the Protocols and
+  typed records the loop and the workers' groups exchange) at module level, and that module
+  imports only the standard library when it runs (torch and the refit report only for type
+  checkers), so importing the driver still loads no worker code;
 - the SHARED modules import only the config, the plan and each other;
 - the COMMANDS (the entry points a user runs) may import any stage; no stage imports a command;
 - workers/ import from launcher/ only its config schema (the sections and their allowed values);
@@ -35,6 +38,7 @@ SHARED = ("launcher.paths", "launcher.files", "launcher.records", "launcher.logs
 COMMANDS = ("launcher.__main__", "launcher.cli", "launcher.status", "launcher.stop", "launcher.export",
             "launcher.sweep")
 WORKER_IMPORTERS = ("launcher.export", "launcher.cluster.preflight")   # besides driver/
+SEAM = ("workers.contracts",)   # the driver's types of the workers: imported at module level
 
 
 @dataclass(frozen=True)
@@ -150,11 +154,32 @@ def _unplaced(mods: dict[str, Path]) -> list[str]:
             for m in mods if m.startswith("launcher.") and stage(m) is None and m not in SHARED and m not in COMMANDS]
 
 
+def _runs_at_import(path: Path) -> list[str]:
+    """The modules a module imports when it is imported: its module-level imports, but for those
+    under `if TYPE_CHECKING:` (annotations only)."""
+    out = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            continue
+        for n, in_function in [(node, False), *_walk(node, isinstance(node, ast.FunctionDef))]:
+            if in_function:
+                continue
+            if isinstance(n, ast.Import):
+                out += [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom) and not n.level:
+                out.append(n.module or "")
+    return out
+
+
 def violations(root: Path) -> list[str]:
     pkgs = ("launcher", "workers")
     mods = modules(root, pkgs)
     found = imports(root, pkgs)
     bad = _unplaced(mods)
+    for seam in (m for m in SEAM if m in mods):
+        bad += [f"{seam} imports {t} when imported: the seam imports only the standard library (type-only "
+                f"imports under `if TYPE_CHECKING:`)" for t in _runs_at_import(mods[seam])
+                if t.split(".")[0] in pkgs + HEAVY]
     cycle = find_cycle(project_edges(found, mods))
     if cycle:
         bad.append("import cycle: " + " -> ".join(cycle))
@@ -181,7 +206,8 @@ def violations(root: Path) -> list[str]:
             bad.append(f"{src} imports {tgt}: a shared module imports only the config, the plan and the shared modules")
         elif a and b and STAGES.index(b) < STAGES.index(a) and not _shared(tgt) and not src.startswith("workers"):
             bad.append(f"{src} imports {tgt}: {a}/ imports from an earlier stage only the shared data")
-        elif a and b and STAGES.index(b) > STAGES.index(a) and imp.top_level and not _shared(tgt):
+        elif (a and b and STAGES.index(b) > STAGES.index(a) and imp.top_level and not _shared(tgt)
+              and not (a == "driver" and tgt in SEAM)):
             bad.append(f"{src} imports {tgt} at module level: {a}/ hands off to {b}/ inside a function")
     return bad
 
@@ -308,3 +334,24 @@ def test_a_package_init_that_imports_its_modules_is_a_cycle(tmp_path):
         "launcher/driver/data.py": "",
         "launcher/driver/grpo.py": "from launcher.driver import data\n",
     }) == ["import cycle: launcher.driver -> launcher.driver.grpo -> launcher.driver"]
+
+
+def test_the_seam_is_the_one_worker_module_the_driver_imports_at_module_level(tmp_path):
+    """workers/contracts.py may be imported by the driver at module level while it imports only
+    the standard library when it runs (type-only imports under TYPE_CHECKING); another workers
+    module still may not, nor may the seam import torch or worker code at run time."""
+    seam = ("from __future__ import annotations\nfrom typing import TYPE_CHECKING, Protocol\n"
+            "if TYPE_CHECKING:\n    import torch\n    from workers.actor import X\n"
+            "class Trainers(Protocol):\n    def f(self):\n        import torch\n")
+    assert _stages(tmp_path, {"workers/contracts.py": seam,
+                              "launcher/driver/grpo.py": "from workers.contracts import Trainers\n"}) == []
+    assert sorted(_stages(tmp_path, {
+        "workers/contracts.py": seam + "import torch\nfrom workers.actor import X\n",
+        "launcher/driver/grpo.py": "from workers.contracts import Trainers\nfrom workers import actor\n",
+    })) == sorted([
+        "workers.contracts imports torch when imported: the seam imports only the standard library (type-only "
+        "imports under `if TYPE_CHECKING:`)",
+        "workers.contracts imports workers.actor when imported: the seam imports only the standard library "
+        "(type-only imports under `if TYPE_CHECKING:`)",
+        "launcher.driver.grpo imports workers.actor at module level: driver/ hands off to workers/ inside a function",
+    ])
