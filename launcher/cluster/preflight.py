@@ -58,11 +58,27 @@ class PreflightFailed(ClusterError):
 
 
 # ------------------------------------------------------------------------------ one node (probe)
+def install_dirs() -> list[str]:
+    """Where this interpreter's installed distributions are: its site directories (the user's too
+    when it reads them) and PYTHONPATH's entries, as the interpreter started. Not sys.path, which an
+    import extends: setuptools appends its `_vendor` directory (the vLLM executor class the probe
+    imports on a generation node pulls it in), whose vendored copies (autocommand, inflect, ...)
+    are no installed package and made a generation node's list differ from a training node's."""
+    import site
+
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    dirs += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [d for d in dict.fromkeys(os.path.abspath(d) for d in dirs) if os.path.isdir(d)]
+
+
 def _packages() -> list[str]:
+    """`name==version` of every installed distribution (install_dirs), whatever the probe imported."""
     import importlib.metadata as md
 
     return sorted({f"{(d.metadata['Name'] or '?').lower().replace('_', '-')}=={d.version}"
-                   for d in md.distributions()})
+                   for d in md.distributions(path=install_dirs())})
 
 
 def _driver_version() -> str:

@@ -70,6 +70,26 @@ def test_a_real_probe_sees_the_run_directory_and_four_gpus(setup):
     assert any(p.startswith("torch==") for p in probe["packages"])
 
 
+def test_the_package_list_does_not_depend_on_what_the_probe_imported(monkeypatch):
+    """On a generation node the probe imports vLLM's executor class, which through setuptools puts
+    setuptools/_vendor on sys.path; importlib.metadata then also finds the vendored copies there
+    (autocommand, backports.tarfile, importlib-metadata, inflect) and that node's packages differed
+    from node 0's (tests/slurm/test_preflight_on_slurm.py). Here the same directory, the installed
+    setuptools' own, is put on sys.path the way setuptools does it (appended)."""
+    import importlib.metadata as md
+    import importlib.util
+
+    vendor = Path(importlib.util.find_spec("setuptools").submodule_search_locations[0]) / "_vendor"
+    vendored = {d.metadata["Name"].lower() for d in md.distributions(path=[str(vendor)])}
+    assert {"autocommand", "inflect"} <= vendored   # the directory the defect put on sys.path
+    before = preflight._packages()
+    assert not any(p.split("==")[0] in ("autocommand", "inflect") for p in before)
+    assert any(p.startswith("torch==") for p in before)
+    monkeypatch.setattr(sys, "path", sys.path + [str(vendor)])
+    assert {"autocommand", "inflect"} <= {d.metadata["Name"].lower() for d in md.distributions()}  # what it read
+    assert preflight._packages() == before
+
+
 def test_healthy_nodes_give_no_problem_and_a_table(setup):
     report = judge(setup, nodes_like(setup[3], setup[4]))
     assert report["problems"] == []
