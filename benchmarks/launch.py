@@ -5,7 +5,7 @@ side by side and alternating which goes first:
 
 - launcher: `python -m launcher <n-node shape> run.job=placement_smoke` (the product path:
   Hydra compose + validate + run dir, submitit's sbatch, then in the job submitit's task runner,
-  launcher.bootstrap: head under launcher.reaper with token auth, head.json rendezvous, workers
+  launcher.cluster.bootstrap: head under launcher.cluster.reaper with token auth, head.json rendezvous, workers
   join, the driver connects and polls until all nodes are registered);
 - bare: an sbatch script written here that srun's plain `ray start --head --block` on the first
   node and `ray start --address=HEAD --block` on the others (workers poll the head's port every
@@ -64,12 +64,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from launcher.job.slurm_job import OVER as TERMINAL  # noqa: E402
 from tests.helpers.slurm_nodes import slurm_shape  # noqa: E402  (after REPO is on the path)
 
 PY = sys.executable
 CLUSTER_SCRIPTS = REPO / "tests" / "slurm_cluster"
-TERMINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-            "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"}
 POLL_S = 0.05
 
 

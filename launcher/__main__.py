@@ -7,6 +7,7 @@ before anything is written or submitted; in a sweep, before any point is.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -15,21 +16,23 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
-from launcher import files, paths
+from launcher import files, logs, paths
 from launcher import sweep as sweep_mod
 from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
 from launcher.config.schema import typed
+from launcher.cli import Parser
 from launcher.config.validate import validate
 from launcher.job import run_dir as run_dir_mod
-from launcher.job import sbatch
-from launcher.job import stop as stop_mod
+from launcher.job import sbatch, slurm_job
+from launcher.cluster import stop as stop_mod
 
 HELP = """\
-usage: python -m launcher [--cfg job|all] [-m [--max-points N]] [group=option ...] [key=value ...]
+usage: python -m launcher [--cfg job|all] [-m [--max-points N]] [-q | -v] [group=option ...] [key=value ...]
                           [+resume=step_N|latest|PATH]
 
 GRPO post-training with Megatron LoRA trainers and vLLM generators, on this machine or on Slurm.
@@ -47,6 +50,7 @@ options:
   -m, --multirun          sweep: a=1,2  a=choice(x,y)  a=range(1,5)  topology=glob(slurm_*); every point is
                           validated before any is submitted; runs are named <run.name>-<swept values>
   --max-points N          the most points a sweep may have (default {max_points})
+  -q, --quiet             only warnings and errors (no progress lines); -v, --verbose: also debug lines
   follow runs:            python -m launcher.status [RUN_DIR | SWEEP_DIR | run.name=NAME] [--watch] [--json]
   stop a run:             python -m launcher.stop RUN_DIR|SWEEP_DIR   (after its next checkpoint; no requeue)
 
@@ -69,41 +73,49 @@ def _help() -> str:
     return HELP.format(groups=groups, max_points=sweep_mod.MAX_POINTS)
 
 
-@dataclass
-class Options:
-    cfg: str | None = None          # --cfg job|all
-    multirun: bool = False          # -m
-    max_points: int = sweep_mod.MAX_POINTS
+_log = logs.get(__name__)
+_VERBOSITY = {-1: ["--quiet"], 0: [], 1: ["--verbose"]}   # what a local sweep's point is run with
 
 
-def _options(argv: list[str]) -> tuple[Options, list[str]]:
-    """Split the launcher's options from the overrides; ConfigError naming a bad option."""
-    opts, rest, i = Options(), [], 0
-    while i < len(argv):
-        a = argv[i]
-        name, eq, value = a.partition("=") if a.startswith("--") else (a, "", "")
-        if name in ("-m", "--multirun"):
-            opts.multirun = True
-        elif name in ("--cfg", "-c", "--max-points"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(name, "needs a value" + (": job or all" if name != "--max-points" else ""))
-                i += 1
-                value = argv[i]
-            if name == "--max-points":
-                if not value.isdigit() or int(value) < 1:
-                    raise ConfigError(name, f"must be a positive whole number, got {value!r}")
-                opts.max_points = int(value)
-            elif value not in ("job", "all"):
-                raise ConfigError("--cfg", f"must be job or all, got {value!r} (there is no hydra config to print)")
-            else:
-                opts.cfg = value
-        elif a.startswith("-"):
-            raise ConfigError(a, "not an option; arguments are key=value overrides (see --help)")
-        else:
-            rest.append(a)
-        i += 1
-    return opts, rest
+def _cfg_value(text: str) -> str:
+    if text not in ("job", "all"):
+        raise argparse.ArgumentTypeError(f"must be job or all, got {text!r} (there is no hydra config to print)")
+    return text
+
+
+def _points(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return int(text)
+
+
+class _Parser(Parser):
+    """The launcher's options; everything else is a Hydra override (key=value). A mistake is the
+    one line the launcher always said: the option, what is wrong, no `see --help` suffix."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            first = message.split(": ", 1)[1].split()[0]
+            raise ConfigError(first, "not an option; arguments are key=value overrides (see --help)")
+        key, _, what = message.partition(": ")
+        key = key.removeprefix("argument ").split("/")[0]
+        if what == "expected one argument":
+            raise ConfigError(key, "needs a value" + (": job or all" if key == "--cfg" else ""))
+        raise ConfigError(key, what)
+
+
+def parser() -> Parser:
+    p = _Parser(prog="python -m launcher", add_help=False, allow_abbrev=False)
+    p.add_argument("--cfg", "-c", type=_cfg_value, help="job: print the resolved run config; all: and what is derived")
+    p.add_argument("-m", "--multirun", action="store_true", help="sweep: one run per point")
+    p.add_argument("--max-points", type=_points, default=sweep_mod.MAX_POINTS, help="the most points a sweep may have")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides: group=option, key=value, +key=value")
+    return p
+
+
+def _options(argv: list[str]) -> argparse.Namespace:
+    """The launcher's options and the overrides; ConfigError naming a bad option."""
+    return parser().parse_intermixed_args(argv)
 
 
 @dataclass
@@ -162,7 +174,8 @@ def _main(argv: list[str] | None) -> int:
         print(_help())
         return 0
     try:
-        opts, overrides = _options(argv)
+        opts = _options(argv)
+        overrides = opts.overrides
         if opts.multirun:
             return _multirun(overrides, opts)
         swept = sweep_mod.sweep_override(overrides)
@@ -194,7 +207,7 @@ def _main(argv: list[str] | None) -> int:
     return _submit(cfg, plan, run_dir)
 
 
-def _multirun(overrides: list[str], opts: Options) -> int:
+def _multirun(overrides: list[str], opts: argparse.Namespace) -> int:
     """Every point validated first (one line per problem, naming the point; nothing written or
     submitted if any is bad), then each point written and submitted (or run here, one after another)."""
     points = sweep_mod.expand(overrides, opts.max_points)
@@ -259,9 +272,9 @@ def _multirun(overrides: list[str], opts: Options) -> int:
         if rc:
             state = "not submitted" if r.spec is not None else "not run"
         elif r.spec is None:
-            print(f"== point {p.index}/{len(points)}: {p.label()}: running here", flush=True)
+            _log.info(f"== point {p.index}/{len(points)}: {p.label()}: running here", extra=logs.PLAIN)
             sweep_mod.record(sdir / paths.SWEEP_RECORD, p, r.run_dir, None, "running")
-            code = _run_point([*p.overrides, f"run.name='{p.name}'"])
+            code = _run_point([*_VERBOSITY[opts.verbosity], *p.overrides, f"run.name='{p.name}'"])
             state = "COMPLETED" if code == 0 else "interrupted" if code == 130 else f"exit {code}"
             rc = 130 if code == 130 else 0  # Ctrl-C ends the sweep; a failed point does not
             failures += code not in (0, 130)
@@ -299,7 +312,7 @@ def _last_line(e: Exception) -> str:
 
 
 def _print_dry_run(r: Resolved) -> None:
-    from launcher.job.submit import submitit_folder
+    from launcher.job.slurm_job import submitit_folder
 
     cfg, raw, plan, run_dir, spec = r.cfg, r.raw, r.plan, r.run_dir, r.spec
     print(f"== plan: topology {cfg.topology.name} ({cfg.topology.executor}, {len(plan.nodes)} node(s))")
@@ -333,7 +346,7 @@ def _submit(cfg, plan, run_dir: Path) -> int:
     except Exception as e:  # sbatch refused (bad partition, no Slurm...): say what Slurm said
         print(f"error: submission failed: {_last_line(e)}", file=sys.stderr)
         return 1
-    log = run_dir / "submitit" / job_id / f"{job_id}_0_log.out"
+    log, _ = slurm_job.task_logs(run_dir, job_id)
     print(f"submitted job {job_id} ({len(plan.nodes)} nodes) for run {cfg.run.name}")
     print(f"  run directory: {run_dir}")
     print(f"  follow the driver: tail -F {log}")
@@ -344,8 +357,10 @@ def _submit(cfg, plan, run_dir: Path) -> int:
 
 def _run_here(cfg, plan, run_dir: Path) -> int:
     from launcher.cluster.bootstrap import record_failure, resume_after_requeue
-    from launcher.cluster.context import ClusterError, log
+    from launcher.cluster.context import ClusterError
     from launcher.job.submit import run_local
+
+    log = _log.info
 
     log(f"run directory {run_dir}")
     t0 = time.time()

@@ -11,6 +11,8 @@ exit code 2, no traceback. Ctrl-C is exit code 130 without a traceback, and a re
 
 `Parser` is argparse whose mistakes (an unknown option, a missing or malformed value) are such a
 one-line ConfigError naming the option, instead of argparse's usage block and exit code 2 of its own.
+Every command's parser has `-q/--quiet` (warnings and errors only: no progress lines) and
+`-v/--verbose` (debug lines too), applied to the launcher's loggers (launcher.logs) as it parses.
 """
 
 from __future__ import annotations
@@ -28,11 +30,31 @@ class UsageError(ConfigError):
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        add_verbosity(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        from launcher import logs
+
+        parsed, rest = super().parse_known_args(args, namespace)
+        logs.setup(getattr(parsed, "verbosity", 0))
+        return parsed, rest
+
     def error(self, message: str) -> NoReturn:
         key, sep, what = message.partition(": ")
         if not (sep and key.startswith(("-", "argument "))):
             key, what = self.prog, message
         raise UsageError(key.removeprefix("argument "), f"{what}; see {self.prog} --help")
+
+
+def add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-q/--quiet and -v/--verbose, as `verbosity` -1 / 1 (default 0): launcher.logs.setup's levels."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1, default=0,
+                       help="only warnings and errors: no progress lines")
+    group.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                       help="also debug lines (the Slurm and Ray commands run, ...)")
 
 
 def positive_seconds(text: str) -> float:

@@ -17,9 +17,13 @@ from pathlib import Path
 
 from launcher.config.schema import Config, ConfigError
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-RUN_NAME_RULE = ("one path component of letters, digits and . _ + - (starting with a letter or digit, "
-                 "at most 128 characters)")
+# the run-name rule (run.name, and the names a sweep derives for its points: safe_name)
+NAME_CHARS = "A-Za-z0-9._+-"
+NAME_MAX = 128
+RUN_NAME = re.compile(rf"^[A-Za-z0-9][{NAME_CHARS}]{{0,{NAME_MAX - 1}}}$")
+RUN_NAME_RULE = (f"one path component of letters, digits and . _ + - (starting with a letter or digit, "
+                 f"at most {NAME_MAX} characters)")
+_NOT_IN_NAME = re.compile(rf"[^{NAME_CHARS}]+")
 # the config keys that hold a path (the saved config has them absolute)
 PATH_KEYS = ("run.root", "checkpointing.dir", "model.path")
 RESUME_WORDS = re.compile(r"^(latest|step_\d+)$")
@@ -37,6 +41,12 @@ FAILURES = "failures.jsonl"         # one line per failure (retry.max_restarts c
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.txt"
 STARTUP = "startup.json"
+PLACEMENT = "placement.json"        # the placement smoke's report (run.job=placement_smoke, hold, preflight)
+PREFLIGHT_REPORT = "preflight.json" # run.job=preflight: every node's probe, the problems
+PREFLIGHT_TABLE = "preflight.txt"   # the same as the table it printed
+PREFLIGHT_PROBES = "preflight"      # RUN/preflight/<job>.<attempt>/: the probes' files
+RELEASE = "release"                 # run.job=hold: `touch RUN/release` ends it
+ACTOR_LOGS = "logs/actors"          # RUN/logs/actors/<host>-pid<pid>.log: every Ray worker's stdout/stderr
 IN_USE = ".in_use"                  # flock'ed by a local run's process while it lives
 STOP_REQUEST = "stop_requested"     # written by `python -m launcher.stop`
 STOPPED = "stopped.json"            # written when the driver ended because of it
@@ -62,6 +72,17 @@ def run_name_error(name: object) -> ConfigError | None:
     if isinstance(name, str) and RUN_NAME.match(name) and name not in (".", ".."):
         return None
     return ConfigError("run.name", f"must be {RUN_NAME_RULE}; got {name!r}")
+
+
+def safe_name(text: str, limit: int = NAME_MAX) -> str:
+    """`text` as a name the run-name rule allows: other characters as `_`, no . _ + - at either end,
+    at most `limit` characters (a longer one is cut and ends with a digest of the whole)."""
+    import hashlib
+
+    name = _NOT_IN_NAME.sub("_", text).strip("._+-") or "run"
+    if len(name) > limit:
+        name = name[: limit - 9].rstrip("._+-") + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
 
 
 def path_error(key: str, value: object) -> ConfigError | None:
@@ -100,6 +121,31 @@ def model_dir(cfg: Config) -> Path:
     if cfg.model.path:
         return absolute(cfg.model.path)
     return absolute(cfg.run.root) / "models" / str(cfg.model.builtin)
+
+
+def actor_log(actor_logs: str | Path, pid: int, host: str | None = None) -> str:
+    """The log file of the Ray worker process `pid` on `host` (default: this one), in RUN/logs/actors/."""
+    import socket
+
+    return str(Path(actor_logs) / f"{host or socket.gethostname()}-pid{pid}.log")
+
+
+STEP = re.compile(r"^step_(\d+)$")   # a checkpoint's folder
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """The `step_N` folders under `root` (complete or not), oldest first; cheap: nothing is read."""
+    return sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                  if (m := STEP.match(p.name)) and p.is_dir())
+
+
+def resume_path(spec: str, root: Path) -> Path | None:
+    """The folder `+resume=spec` names: `latest` the newest `step_N` under `root` (None when there is
+    none; whether it is complete is the checkpoint's own check), `step_N` that one, else a path."""
+    if spec == "latest":
+        saved = step_dirs(root)
+        return saved[-1][1] if saved else None
+    return root / spec if STEP.match(spec) else absolute(spec)
 
 
 def resume_spec(spec: str | None) -> str | None:

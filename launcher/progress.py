@@ -2,7 +2,8 @@
 "still ..." lines every few seconds while something long runs (nodes joining, the model loading,
 a checkpoint being written).
 
-Torch-free (the status view and the dry run import it).
+Torch-free (the status view and the dry run import it). The phases' names are here, the metrics'
+in launcher.driver.metric_names: the driver sets and writes them, this reads them.
 """
 
 from __future__ import annotations
@@ -13,15 +14,27 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from launcher.driver import metric_names as names
+
 HEARTBEAT_S = 5.0   # a long wait says what it waits for at least this often
-PHASES = {          # the driver's ctx.progress["phase"] -> what the user reads
-    "start": "starting: loading the model, starting trainer and vLLM actors",
-    "resume": "loading the checkpoint to resume from",
-    "refit": "refitting the generators' weights",
-    "generation": "generating",
-    "logprobs": "computing logprobs",
-    "training": "training",
-    "checkpoint": "writing a checkpoint",
+# the driver's phases (ctx.progress["phase"], set by launcher.driver.grpo), each once
+START_UP = "start-up"
+RESUME = "resume"
+REFIT = "refit"
+GENERATION = "generation"
+LOGPROBS = "logprobs"
+TRAINING = "training"
+VALIDATION = "validation"
+CHECKPOINT = "checkpoint"
+PHASES = {          # each phase -> what the user reads
+    START_UP: "starting: loading the model, starting trainer and vLLM actors",
+    RESUME: "loading the checkpoint to resume from",
+    REFIT: "refitting the generators' weights",
+    GENERATION: "generating",
+    LOGPROBS: "computing logprobs",
+    TRAINING: "training",
+    VALIDATION: "validating",
+    CHECKPOINT: "writing a checkpoint",
 }
 
 
@@ -44,7 +57,7 @@ def bar(step: int, total: int, width: int = 24) -> str:
 
 def seconds_per_step(rows: list[dict], last: int = 5) -> float | None:
     """Mean step time over the last `last` metrics rows (timing/total_step), None without any."""
-    times = [float(r["timing/total_step"]) for r in rows[-last:] if _number(r.get("timing/total_step"))]
+    times = [float(r[names.STEP_TIME]) for r in rows[-last:] if _number(r.get(names.STEP_TIME))]
     return sum(times) / len(times) if times else None
 
 
@@ -53,20 +66,20 @@ def eta(step: int, total: int, s_per_step: float | None) -> float | None:
 
 
 def val_reward(row: dict):
-    """The validation reward of a metrics row, whatever the validation section calls it."""
-    for k, v in row.items():
-        if k.startswith(("val", "validation")) and "reward" in k and _number(v):
-            return v
+    """The validation reward of a metrics row: after its step, else before the first step."""
+    for k in (names.VAL_REWARD, names.VAL_REWARD + names.AT_START):
+        if _number(row.get(k)):
+            return row[k]
     return None
 
 
 def step_line(step: int, total: int, row: dict, s_per_step: float | None = None, running: bool = True) -> str:
     """`[####....] step 3/10  reward 0.412  loss +0.0123  gen_kl_error 1.2e-05  3.4 s/step  refit 0.12s  ETA 24s`
     (the fields the row has). `s_per_step` defaults to this row's own step time; no ETA unless `running`."""
-    sps = s_per_step if s_per_step is not None else _get(row, "timing/total_step")
+    sps = s_per_step if s_per_step is not None else _get(row, names.STEP_TIME)
     parts = [f"{bar(step, total)} step {step}/{total}"]
-    for label, key, fmt in (("reward", "train/reward", ".3f"), ("loss", "train/loss", "+.4f"),
-                            ("gen_kl_error", "train/gen_kl_error", ".2e")):
+    for label, key, fmt in (("reward", names.REWARD, ".3f"), ("loss", names.LOSS, "+.4f"),
+                            ("gen_kl_error", names.GEN_KL_ERROR, ".2e")):
         if _number(row.get(key)):
             parts.append(f"{label} {float(row[key]):{fmt}}")
     val = val_reward(row)
@@ -74,8 +87,8 @@ def step_line(step: int, total: int, row: dict, s_per_step: float | None = None,
         parts.append(f"val_reward {float(val):.3f}")
     if sps is not None:
         parts.append(f"{sps:.1f} s/step")
-    if _number(row.get("timing/transfer_and_update_weights")):
-        parts.append(f"refit {float(row['timing/transfer_and_update_weights']):.2f}s")
+    if _number(row.get(names.REFIT_TIME)):
+        parts.append(f"refit {float(row[names.REFIT_TIME]):.2f}s")
     if running and step < total and sps is not None:
         parts.append(f"ETA {duration(eta(step, total, sps))}")
     return "  ".join(parts)
@@ -83,9 +96,9 @@ def step_line(step: int, total: int, row: dict, s_per_step: float | None = None,
 
 def phase_text(progress: dict) -> str:
     """What the driver does now, from its ctx.progress {"phase", "step"}."""
-    phase = progress.get("phase") or "start"
+    phase = progress.get("phase") or START_UP
     text = PHASES.get(phase, phase)
-    return f"{text} (step {progress['step']})" if progress.get("step") and phase != "start" else text
+    return f"{text} (step {progress['step']})" if progress.get("step") and phase != START_UP else text
 
 
 class Heartbeat:

@@ -261,10 +261,15 @@ def _parse(data: str, where: str | Path) -> Any:
         raise RecordError(where, "", f"not valid JSON ({str(e).splitlines()[0][:80]})") from None
 
 
-def load(path: Path, record: Record) -> dict:
-    """A whole-file JSON record, checked; RecordError naming the file and key."""
+def load(path: Path, record: Record, missing_ok: bool = False) -> dict | None:
+    """A whole-file JSON record, checked; RecordError naming the file and key. `missing_ok`: None
+    when there is no such file (one open, no stat first: a file polled every tick)."""
     try:
         data = Path(path).read_text()
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise RecordError(path, "", "unreadable (No such file or directory)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(path, "", f"unreadable ({getattr(e, 'strerror', None) or type(e).__name__})") from None
     return record.check(_parse(data, path), path)

@@ -13,15 +13,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from launcher import paths, progress, records
+from launcher.driver import metric_names as names
+from launcher.job import slurm_job
 
-TERMINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
-            "PREEMPTED", "REVOKED", "TIMEOUT", "ENDED"}
+# the states after which --watch stops: a Slurm job's instance is over, or a local run ended (status.local_job)
+TERMINAL = slurm_job.OVER | {"ENDED"}
 
 
 # ------------------------------------------------------------------------------- reading a run
@@ -34,31 +35,6 @@ def jsonl(path: Path) -> list[dict]:
         except ValueError:
             continue
     return rows
-
-
-def _slurm(*cmd: str) -> str | None:
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return p.stdout if p.returncode == 0 else None
-
-
-def slurm_job(job_id: str) -> dict:
-    """{"state", "reason", "restarts", "source"}: squeue while queued or running, else sacct."""
-    out = _slurm("squeue", "-h", "-j", job_id, "-o", "%T|%r")
-    if out and out.strip():
-        state, _, reason = out.strip().splitlines()[0].partition("|")
-        shown = _slurm("scontrol", "show", "job", "-o", job_id) or ""
-        m = re.search(r"\bRestarts=(\d+)", shown)
-        return {"state": state, "reason": "" if reason in ("None", "") else reason,
-                "restarts": int(m.group(1)) if m else 0, "source": "squeue"}
-    out = _slurm("sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State")
-    rows = [ln.split()[0] for ln in (out or "").splitlines() if ln.strip()]
-    if rows:  # -D: one row per requeued instance of the job
-        return {"state": rows[-1], "reason": "", "restarts": len(rows) - 1, "source": "sacct"}
-    return {"state": "UNKNOWN" if out is None else "SUBMITTED", "reason": "" if out is not None else
-            "squeue/sacct unavailable here", "restarts": 0, "source": None}
 
 
 def _alive(pid: int) -> bool:
@@ -90,16 +66,14 @@ def local_job(run_dir: Path) -> dict:
 
 def newest_checkpoint(ckpt_root: Path) -> Path | None:
     """The newest step_N with its manifest (written last: the checkpoint is complete)."""
-    from launcher.driver.checkpoints import MANIFEST, step_dirs
-
-    found = [p for _, p in step_dirs(ckpt_root) if (p / MANIFEST).is_file()]
+    found = [p for _, p in paths.step_dirs(ckpt_root) if (p / paths.MANIFEST).is_file()]
     return found[-1] if found else None
 
 
 def collect(run_dir: Path, slurm: bool = True) -> dict:
     """Everything the status view shows of one run, as plain data (what --json prints)."""
     from launcher.config import compose as config_mod
-    from launcher.job import stop as stop_mod
+    from launcher.cluster import stop as stop_mod
 
     run_dir = Path(run_dir).resolve()
     cfg = config_mod.load_typed(run_dir / paths.CONFIG)  # launcher.records: each record read here has its schema
@@ -111,7 +85,7 @@ def collect(run_dir: Path, slurm: bool = True) -> dict:
         job_id = str(submissions[-1]["job_id"]) if submissions else None
         job = {"state": "NOT SUBMITTED", "reason": "", "restarts": 0, "source": None}
         if job_id and slurm:
-            job = slurm_job(str(job_id))
+            job = slurm_job.state(str(job_id))
         job["job_id"] = job_id
     else:
         job = local_job(run_dir)
@@ -125,9 +99,8 @@ def collect(run_dir: Path, slurm: bool = True) -> dict:
     if stopped and stopped.get("job") != job.get("job_id"):
         stopped = None  # an earlier job of this run was stopped, not this one
     jid = job.get("job_id")
-    logs = [p for p in ([run_dir / "submitit" / str(jid) / f"{jid}_0_log.out",
-                         run_dir / "submitit" / str(jid) / f"{jid}_0_log.err",
-                         run_dir / paths.LOGS / f"sbatch-{jid}.out"] if jid else []) if p.is_file()]
+    logs = [p for p in ([*slurm_job.task_logs(run_dir, jid), run_dir / paths.LOGS / f"sbatch-{jid}.out"]
+                        if jid else []) if p.is_file()]
     return {
         "run": run_dir.name, "run_dir": str(run_dir), "executor": executor,
         "job_id": jid, "state": job["state"], "reason": job["reason"], "source": job["source"],
@@ -135,7 +108,7 @@ def collect(run_dir: Path, slurm: bool = True) -> dict:
         "submissions": len(submissions), "failures": len(failures),
         "last_failure": _last_failure(failures, job["state"], logs),
         "step": step, "max_num_steps": total,
-        "reward": last.get("train/reward"), "val_reward": vals[-1] if vals else None,
+        "reward": last.get(names.REWARD), "val_reward": vals[-1] if vals else None,
         "seconds_per_step": sps, "eta_s": progress.eta(step, total, sps) if job["state"] == "RUNNING" else None,
         "checkpoint": str(ckpt) if ckpt else None,
         "stop_requested": stop_mod.stop_requested(run_dir), "stopped": stopped,
@@ -148,7 +121,7 @@ def _last_failure(failures: list[dict], state: str, logs: list[Path]) -> str | N
     if failures:
         f = failures[-1]
         return f"{f.get('time', '')} job {f.get('job', '?')}: {str(f.get('error', '')).splitlines()[0]}"
-    if state in ("FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "ENDED"):
+    if state in slurm_job.FAILED or state == "ENDED":
         for log in reversed(logs):
             errors = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("error:")]
             if errors:

@@ -3,7 +3,7 @@ a sweep) after its next checkpoint.
 
 The same path as a preemption inside the job (the driver ends at its step boundary, after saving
 a checkpoint), but the job is not requeued: this writes RUN/stop_requested, which the job's
-watch loop polls (launcher.job.stop.poll_stop_request). A job still pending is cancelled instead
+watch loop polls (launcher.cluster.stop.poll_stop_request). A job still pending is cancelled instead
 (it has nothing to checkpoint). Waits until the job has ended and says at which step and
 checkpoint it stopped; continue the run later with `+resume=latest`.
 """
@@ -15,15 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import progress
+from launcher import logs, progress
 from launcher import status as status_mod
-from launcher.job import stop as stop_mod
+from launcher.cluster import stop as stop_mod
+from launcher.job import slurm_job
 
-ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "REQUEUED", "RESIZING", "STOPPED", "SUBMITTED"}
+_log = logs.get(__name__)
 
 
 def _say(msg: str) -> None:
-    print(msg, flush=True)
+    """A line of the command's progress, on stdout (launcher.logs: silenced by --quiet)."""
+    _log.info(msg, extra=logs.PLAIN)
 
 
 def ask(run_dir: Path, alone: bool = True) -> tuple[str | None, int]:
@@ -39,7 +41,7 @@ def ask(run_dir: Path, alone: bool = True) -> tuple[str | None, int]:
         _say(f"job {job} ({info['run']}) was still pending: cancelled (nothing to checkpoint; it reached step "
              f"{info['step']})")
         return None, 0
-    if state not in ACTIVE:
+    if state not in slurm_job.ACTIVE:
         if not alone:
             _say(f"{info['run']}: not running (job {job or '-'} {state}); nothing to stop")
             return None, 0

@@ -9,13 +9,12 @@ options), in that order, each written as Hydra writes it (`optim.lr=1e-4` -> `op
 `interval()` needs a sampling sweeper: refused.
 
 Each point's run is named `<its run.name>-<swept values>` (`slurm_2n-tiny_llama-dim8-lr1e-4`):
-one path component of [A-Za-z0-9._-], unique within the sweep. The sweep's record is
+a name the run-name rule allows (launcher.paths.safe_name), unique within the sweep. The sweep's record is
 `<run.root>/sweeps/<sweep>/sweep.jsonl`, one line per point (overrides, run dir, job id).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import re
@@ -28,8 +27,7 @@ from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
 
 MAX_POINTS = 64         # --max-points N raises it
-NAME_MAX = 128          # the run-name rule's length (launcher.paths)
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+NAME_MAX = paths.NAME_MAX
 
 
 @dataclass
@@ -112,12 +110,7 @@ def run_name(base: str, point: Point) -> str:
             parts.append(f"{label}{_compact(value)}")
         else:
             parts.append(f"{label}_{value}")
-    name = "-".join([base, *parts]) if parts else base
-    name = _UNSAFE.sub("_", name).strip("._-") or "run"
-    if len(name) > NAME_MAX:
-        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
-        name = name[: NAME_MAX - 9].rstrip("._-") + "-" + digest
-    return name
+    return paths.safe_name("-".join([base, *parts]) if parts else base)
 
 
 def name_points(points: list[Point], bases: list[str]) -> None:
@@ -154,11 +147,11 @@ def _labels(keys: list[str]) -> list[str]:
 def sweep_dir(run_root: Path, base: str) -> Path:
     """`<run.root>/sweeps/<base>-<YYYYmmdd-HHMMSS>` (a fresh folder per sweep)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    d = run_root / paths.SWEEPS / f"{_UNSAFE.sub('_', base)}-{stamp}"
+    d = run_root / paths.SWEEPS / f"{paths.safe_name(base)}-{stamp}"
     n = 1
     while d.exists():
         n += 1
-        d = run_root / paths.SWEEPS / f"{_UNSAFE.sub('_', base)}-{stamp}-{n}"
+        d = run_root / paths.SWEEPS / f"{paths.safe_name(base)}-{stamp}-{n}"
     return d
 
 

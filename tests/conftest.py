@@ -28,11 +28,13 @@ def model_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(model_cache):
-    """tiny_model(recipe="tiny_llama", seed=0) -> Path of a locally built HF checkpoint dir."""
+    """tiny_model(recipe="tiny_llama", seed=0) -> Path of a locally built HF checkpoint dir (a built-in
+    recipe or a test-only one: tests/helpers/recipes.py)."""
+    from tests.helpers.recipes import RECIPES
     from workers import tiny_models
 
     def build(recipe: str = "tiny_llama", seed: int = 0) -> Path:
-        return tiny_models.build(model_cache / f"{recipe}-s{seed}", recipe, seed=seed)
+        return tiny_models.build(model_cache / f"{recipe}-s{seed}", recipe, seed=seed, spec=RECIPES[recipe])
 
     return build
 

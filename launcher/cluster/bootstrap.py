@@ -32,6 +32,7 @@ from pathlib import Path
 from launcher import files, paths, records
 from launcher import plan as plan_mod
 from launcher import progress
+from launcher.cluster import preflight, stop
 from launcher.cluster.context import ClusterError, JobContext, log
 from launcher.cluster.join import retry_delay
 from launcher.cluster.ray_node import (connect, disconnect, driver_env, free_port, resolve_ip, start_ray,
@@ -39,14 +40,13 @@ from launcher.cluster.ray_node import (connect, disconnect, driver_env, free_por
 from launcher.cluster.watch import WORKER_TICK_S, HeadWatch, WorkerWatch, ray_exit, ray_stopped, write_node_report
 from launcher.config import compose as config_mod
 from launcher.config.schema import Config
-from launcher.job import stop
 from launcher.paths import checkpoint_dirs
 
 
 def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
     """One task of a Slurm job: node 0 runs head + driver, the others run Ray workers.
 
-    Under submitit, its handler takes USR2 (checkpoint + requeue, launcher.submit.JobTask). Under
+    Under submitit, its handler takes USR2 (checkpoint + requeue, launcher.job.submit.JobTask). Under
     plain sbatch (`plain_sbatch`), USR2 and SIGTERM both stop the driver after a checkpoint and the
     job requeues itself with scontrol."""
     run_dir = Path(run_dir).resolve()
@@ -57,8 +57,6 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
         raise ClusterError(f"the job has {len(ctx.hostnames)} nodes but topology {cfg.topology.name} plans "
                            f"{len(plan.nodes)}")
     if cfg.run.job == "preflight" and ctx.node_index == 0 and ctx.attempt == 0:
-        from launcher.driver import preflight
-
         # before Ray: probes every node through its own srun step, so a node whose task could not
         # start (no run directory there) is named too; raises PreflightFailed (exit 1, no requeue)
         preflight.check_nodes(cfg, plan, ctx)
@@ -146,7 +144,7 @@ def finished_before(ctx: JobContext, step: int) -> dict:
 # --------------------------------------------------------------------------------- the driver
 def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signals: dict | None = None,
                ray_proc: subprocess.Popen | None = None):
-    """Run `driver(cfg, plan, ctx, stop)` in a thread (job.stop.running): the main thread stays free
+    """Run `driver(cfg, plan, ctx, stop)` in a thread (cluster.stop.running): the main thread stays free
     to take signals, whose handlers set `stop`; the driver ends at its next step boundary. Every
     2 s the main thread checks that every node is still alive, whatever the driver waits for; the
     head's own Ray (`ray_proc`, whose GCS the whole cluster needs) first (watch.HeadWatch)."""
@@ -174,7 +172,7 @@ def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signal
 
 # ----------------------------------------------------------------------------------------- head
 def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, signals: dict | None = None) -> dict:
-    """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.run) with
+    """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.jobs.run) with
     `signals` {signal: handler} installed, stop Ray."""
     ctx.startup.append(("launcher: Python, imports, config, run directory", time.time()))
     files.make_dir(ctx.rendezvous)  # the run directory's policy (RUN/ray/ and below)
@@ -184,6 +182,8 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
     # a restart inside this process keeps the job's token: Ray reads it once per process
     secret = earlier.read_text() if ctx.attempt > 0 and earlier.exists() else secrets.token_hex(32)
     files.write(token, secret, files.PRIVATE)  # 0600 also in a run directory shared with the group
+    if cfg.run.job == "preflight" and not preflight.checked(ctx):  # a local run: its one node, before Ray
+        preflight.check_nodes(cfg, plan, ctx)
     if driver is None and cfg.run.job == "grpo":  # after the auth env and the token: it imports ray
         from launcher.driver.startup import warm_imports
         warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
@@ -203,8 +203,8 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
         ctx.startup.append(("Ray up (head started, all nodes registered)", time.time()))
         files.touch(ctx.rendezvous / paths.REGISTERED)  # from now on a lost node is a failure, not a retry
         if driver is None:
-            from launcher import driver as driver_mod
-            driver = driver_mod.run
+            from launcher.driver import jobs
+            driver = jobs.run
         result = run_driver(driver, cfg, plan, ctx, signals, ray_proc)
         status["ok"] = True
         asked = stop.finish_stop_request(ctx.run_dir, ctx.job_id, result or {})
@@ -276,15 +276,18 @@ def _report_failure(ctx: JobContext, reason: str, what: str = "cannot join the R
 
 def main(argv: list[str] | None = None) -> int:
     """`srun python -m launcher.cluster.bootstrap RUN_DIR`: the sbatch template's entry point."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m launcher.cluster.bootstrap RUN_DIR   (one task per node, inside a Slurm job)",
-              file=sys.stderr)
-        return 2
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m launcher.cluster.bootstrap",
+                                     description="One task per node, inside a Slurm job (ray_job.sbatch runs it "
+                                                 "through srun): node 0 runs the Ray head and the driver, the "
+                                                 "others a Ray worker.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory the launcher wrote")
+    run_dir = parser.parse_args(argv).run_dir  # a mistake: usage on stderr, exit code 2
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # lets submitit.JobEnvironment read the Slurm env
     stop.ignore_job_signals()  # default action: die; a worker task must outlive the checkpoint
     try:
-        result = run_task(argv[0], plain_sbatch=True)
+        result = run_task(run_dir, plain_sbatch=True)
     except (ClusterError, config_mod.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

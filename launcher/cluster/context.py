@@ -3,19 +3,20 @@ run directory, and how it reports (`log`, ClusterError naming nodes and logs).
 
 The liveness checks: `check_reports` (each node's bootstrap reports its own Ray stopping) and
 `check_alive` (Ray's node list). The bootstrap's watch loop uses both (the list asked from a thread
-of its own, bootstrap.NodeQuery); the driver's failure messages the reports (failures.lost_node).
+of its own, watch.NodeQuery); the driver's failure messages the reports (failures.lost_node).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher import paths, records
+from launcher import logs, paths, records
 from launcher import plan as plan_mod
+
+_log = logs.get(__name__)
 
 
 class ClusterError(RuntimeError):
@@ -62,7 +63,8 @@ class JobContext:
 
 
 def log(msg: str) -> None:
-    print(f"[launcher {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    """A line of the job's log: `[launcher HH:MM:SS] msg` on stdout (launcher.logs)."""
+    _log.info(msg)
 
 
 def doing(ctx: JobContext) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -13,11 +14,13 @@ import time
 from pathlib import Path
 
 from launcher import plan as plan_mod
-from launcher import files, paths
+from launcher import files, logs, paths
 from launcher.cluster.context import ClusterError, JobContext, alive_resources, log, node_reports
 from launcher.cluster.join import JoinDeadline, index_ranges
 from launcher.config.schema import Config
-from launcher.job import stop
+from launcher.cluster import stop
+
+_log = logs.get(__name__)
 
 
 def connect(ctx: JobContext, ip: str, port: int) -> None:
@@ -27,7 +30,7 @@ def connect(ctx: JobContext, ip: str, port: int) -> None:
 
     from launcher.cluster import worker_setup
 
-    actor_logs = worker_setup.log_dir(ctx.run_dir)
+    actor_logs = str(ctx.run_dir / paths.ACTOR_LOGS)
     try:
         ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_setup.ENV: actor_logs},
@@ -124,11 +127,12 @@ def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: st
     else:
         cmd += [f"--address={head_ip}:{port}"]
     log_file = ctx.log_path("ray")
+    _log.debug(f"{ctx.hostname}: $ {shlex.join(cmd)} (log: {log_file})")
     env = {**os.environ, **auth_env(ctx), "RAY_USAGE_STATS_ENABLED": "0"}
     with files.open_append(log_file) as out:  # the run directory's mode
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        # under launcher.reaper: nothing of this Ray node survives this process (see its docstring)
+        # under launcher.cluster.reaper: nothing of this Ray node survives this process (see its docstring)
         return subprocess.Popen([sys.executable, "-m", "launcher.cluster.reaper", str(os.getpid()), *cmd], stdout=out,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=stop.block_job_signals)
@@ -159,9 +163,9 @@ def fatal_ray_error(temp_dir: Path, since: float) -> str | None:
 
 
 def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGKILL everything below `proc` (a launcher.reaper: a subreaper, so the node's whole Ray tree
+    """SIGKILL everything below `proc` (a launcher.cluster.reaper: a subreaper, so the node's whole Ray tree
     stays below it, orphans included), then the reaper itself. By PID only. No SIGTERM: Ray's
-    processes block it (see _block_job_signals), and a node being taken down has nothing to drain."""
+    processes block it (cluster.stop.block_job_signals), and a node being taken down has nothing to drain."""
     from launcher.cluster.reaper import descendants, kill_below
 
     deadline = time.time() + timeout_s

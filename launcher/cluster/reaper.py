@@ -7,12 +7,14 @@ always the whole Ray tree of this node. It kills that tree (SIGKILL, by PID) whe
 - CMD exits (a half-dead Ray node is worse than none), or
 - PARENT_PID, the bootstrap that started it, is gone (killed with SIGKILL, crashed): without the
   reaper, Ray's processes - in their own session - would keep running, holding ports and memory.
-The bootstrap stops Ray normally by killing the reaper's tree itself (bootstrap.stop_process_tree).
-The job's signals (SIGTERM, SIGUSR2) are blocked here and in CMD (see bootstrap._block_job_signals).
+The bootstrap stops Ray normally by killing the reaper's tree itself (ray_node.stop_process_tree).
+The job's signals (SIGTERM, SIGUSR2) are blocked here and in CMD (launcher.cluster.stop.block_job_signals).
+The process tree is read with psutil (as the driver's start-up breakdown reads process start times).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import signal
@@ -20,26 +22,18 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
 def descendants(pid: int) -> list[int]:
-    """pid and every process below it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, stack = [], [pid]
-    while stack:
-        p = stack.pop()
-        out.append(p)
-        stack.extend(children.get(p, []))
-    return out
+    """pid and every process below it (none below a pid that is gone)."""
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    return [pid, *(p.pid for p in below)]
 
 
 def kill_below(pid: int) -> None:
@@ -52,15 +46,19 @@ def kill_below(pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    return psutil.pid_exists(pid)
 
 
-def main(argv: list[str]) -> int:
-    parent, cmd = int(argv[0]), argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.cluster.reaper",
+                                     description="Run CMD as a child subreaper; kill its whole tree when CMD or "
+                                                 "PARENT_PID ends (started by launcher.cluster.ray_node.start_ray).")
+    parser.add_argument("parent", type=int, metavar="PARENT_PID", help="the bootstrap that started this")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="`ray start --block ...`")
+    args = parser.parse_args(argv)
+    if not args.cmd:
+        parser.error("CMD is missing")
+    parent, cmd = args.parent, args.cmd
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     child = subprocess.Popen(cmd)
     me = os.getpid()
@@ -79,17 +77,19 @@ def main(argv: list[str]) -> int:
 
 def _reap_zombies(me: int, keep: int) -> None:
     """Re-parented daemons that exit become our zombies: reap them (not CMD: Popen reaps that)."""
-    for p in descendants(me):
-        if p in (me, keep):
+    try:
+        children = psutil.Process(me).children()
+    except psutil.NoSuchProcess:
+        return
+    for p in children:
+        if p.pid == keep:
             continue
         try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if fields[0] == "Z" and int(fields[1]) == me:
-                os.waitpid(p, os.WNOHANG)
-        except (OSError, ValueError, ChildProcessError):
+            if p.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(p.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
             pass
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -26,7 +26,7 @@ from launcher import files, paths
 from launcher import plan as plan_mod
 from launcher.cluster.context import ClusterError, JobContext, alive_resources, check_alive, check_reports
 from launcher.cluster.ray_node import fatal_ray_error, port_open, tail
-from launcher.job import stop
+from launcher.cluster import stop
 
 CHECK_S = 2.0        # the head's liveness checks (a lost node is named within about this, plus Ray's report)
 WORKER_TICK_S = 1.0  # a worker's checks of `done` and its own Ray

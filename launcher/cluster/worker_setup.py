@@ -17,18 +17,10 @@ import socket
 import sys
 from pathlib import Path
 
-from launcher import files
-from launcher.job import stop
+from launcher import files, paths
+from launcher.cluster import stop
 
-ENV = "LAUNCHER_ACTOR_LOG_DIR"
-
-
-def log_dir(run_dir) -> str:
-    return os.path.join(str(run_dir), "logs", "actors")
-
-
-def path_for(directory: str, pid: int, host: str | None = None) -> str:
-    return os.path.join(directory, f"{host or socket.gethostname()}-pid{pid}.log")
+ENV = "LAUNCHER_ACTOR_LOG_DIR"   # RUN/logs/actors (launcher.paths.ACTOR_LOGS), set by ray_node.connect
 
 
 def setup() -> None:
@@ -39,7 +31,7 @@ def setup() -> None:
     directory = os.environ.get(ENV)
     if not directory:
         return
-    log = files.open_append(Path(path_for(directory, os.getpid())), binary=True)  # the run directory's mode
+    log = files.open_append(Path(paths.actor_log(directory, os.getpid(), socket.gethostname())), binary=True)  # the run directory's mode
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log.fileno(), 1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.config.schema import Config, ConfigError
+from launcher.driver import metric_names as names
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,8 @@ class Free:
 COUNT = dict(lo=None, hi=4096, also_bad=(0,))       # plan.check refuses < 1, here the size bound
 PARALLEL = dict(lo=None, hi=1024, also_bad=(0,))
 PORT = Range(1024, 65535)
-# the step metrics the driver logs (launcher.driver.grpo / rollout) that retention may rank by
-METRICS = ("train/reward", "train/loss", "train/kl", "train/grad_norm", "train/gen_kl_error",
-           "train/token_mult_prob_error", "train/mean_response_tokens", "train/clip_fraction_low",
-           "train/clip_fraction_high", "train/ratio_mean", "val/reward", "val/accuracy")
+# the step metrics the driver logs that retention may rank by
+METRICS = names.RANKABLE
 
 FIELDS: dict[str, Range | OneOf | Text | Elsewhere | Free] = {
     "topology.name": Text(nullable=False),
@@ -131,6 +130,7 @@ FIELDS: dict[str, Range | OneOf | Text | Elsewhere | Free] = {
     "topology.train.context_parallel": Range(**PARALLEL),
     "topology.train.expert_parallel": Range(**PARALLEL),
     "topology.train.expert_tensor_parallel": Range(**PARALLEL),
+    "topology.train.micro_batch_size": Range(0, 1 << 16),
     "topology.generation.nodes": Range(**COUNT),
     "topology.generation.ranks_per_node": Range(**PARALLEL),
     "topology.generation.engines": Range(**COUNT),
@@ -320,7 +320,7 @@ def _cross(cfg: Config) -> list[ConfigError]:
         errs.append(ConfigError("grpo.loss.reference_policy_kl_penalty",
                                 "needs peft.enabled=true (the reference policy is the base model with the LoRA "
                                 "adapters switched off); set it to 0 for full fine-tuning"))
-    if cfg.checkpointing.metric_name.startswith("val/") and not (cfg.grpo.val_period or cfg.grpo.val_at_start):
+    if cfg.checkpointing.metric_name.startswith(names.VAL) and not (cfg.grpo.val_period or cfg.grpo.val_at_start):
         errs.append(ConfigError("checkpointing.metric_name", f"{cfg.checkpointing.metric_name} is only logged with "
                                                              f"validation on (grpo.val_period > 0)"))
     if cfg.grpo.pipeline.enabled and cfg.grpo.loss.truncated_importance_sampling_ratio is None:

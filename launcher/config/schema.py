@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.driver import metric_names as names
+
 
 # Ray custom resources of the placement (launcher.plan): a node offers one unit per trainer rank /
 # vLLM worker it hosts; actors ask for them (workers may not import launcher.plan, so they live here).
@@ -38,6 +40,7 @@ class TrainRole:
     expert_parallel: int = 1
     expert_tensor_parallel: int = 1
     sequence_parallel: bool = False
+    micro_batch_size: int = 0   # sequences per forward/backward pass of a trainer rank; 0: its whole shard at once
 
 
 @dataclass
@@ -99,11 +102,6 @@ BUILTIN_MODELS: dict[str, dict] = {
     # Qwen2 style: q/k/v biases
     "tiny_qwen2": dict(family="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    # GQA shapes for the adapter exporter: query groups 1, 2, 4 and heads*head_dim != hidden
-    "tiny_llama_mqa": dict(family="llama", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32),
-    "tiny_llama_g4": dict(family="llama", hidden_size=160, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=8, num_key_value_heads=4, head_dim=32),
     # about 100M parameters, for the refit benchmark
     "llama_100m": dict(family="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                        num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=4096),
@@ -317,7 +315,7 @@ class Checkpointing:
     dir: Optional[str] = None
     save_period: int = 5
     keep_top_k: Optional[int] = 1
-    metric_name: str = "train/reward"
+    metric_name: str = names.REWARD
     higher_is_better: bool = True
 
 

@@ -1,7 +1,7 @@
 """Every rule a config must pass before anything is written or submitted.
 
 `validate(cfg, submitting)` returns a list of ConfigError (one line each: the key, what is wrong,
-what is allowed). The topology arithmetic lives in launcher.topology; this module adds the rules
+what is allowed). The topology arithmetic lives in launcher.plan; this module adds the rules
 that tie the topology to the model, LoRA, vLLM, GRPO, checkpointing and Slurm sections.
 Paths are only required to exist when submitting (a dry run can plan for a cluster whose
 filesystem this machine does not see).

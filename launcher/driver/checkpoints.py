@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -38,13 +37,6 @@ from launcher.config.compose import ConfigError
 from launcher.config.schema import Checkpointing
 from launcher.paths import absolute
 
-_STEP = re.compile(r"^step_(\d+)$")
-
-
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """The `step_N` folders under `root` (complete or not), oldest first; cheap: nothing is read."""
-    return sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
-                  if (m := _STEP.match(p.name)) and p.is_dir())
 MANIFEST = paths.MANIFEST
 INFO = paths.TRAINING_INFO
 CONFIG = paths.CONFIG
@@ -128,7 +120,7 @@ def verify(path: Path) -> None:
     if extra:
         raise CheckpointError(f"{path / extra[0]}: not part of the checkpoint (not in {MANIFEST})")
     info = _record(path / INFO, records.TRAINING_INFO)
-    m = _STEP.match(path.name)
+    m = paths.STEP.match(path.name)
     if m and int(m.group(1)) != info["step"]:
         raise CheckpointError(f"{path / INFO}: step: {info['step']}, but the folder is {path.name}; the checkpoint's "
                               f"records disagree, not resumable")
@@ -227,7 +219,7 @@ class CheckpointManager:
     def complete(self) -> list[Checkpoint]:
         """Complete checkpoints, oldest first."""
         out = []
-        for step, p in step_dirs(self.root):
+        for step, p in paths.step_dirs(self.root):
             try:
                 verify(p)
             except CheckpointError:
@@ -239,14 +231,9 @@ class CheckpointManager:
         """`latest`, `step_N` or a path -> a complete checkpoint; else a one-line ConfigError."""
         done = self.complete()
         listing = ", ".join(c.path.name for c in done) or "none"
-        if spec == "latest":
-            saved = step_dirs(self.root)
-            if not saved:
-                raise ConfigError("resume", f"no complete checkpoint in {self.root} to resume from")
-            path = saved[-1][1]  # the newest; a damaged newest one is an error, not silently skipped
-        else:
-            m = _STEP.match(spec)
-            path = self.root / spec if m else Path(spec).expanduser().resolve()
+        path = paths.resume_path(spec, self.root)  # latest: the newest; a damaged one is an error, not skipped
+        if path is None:
+            raise ConfigError("resume", f"no complete checkpoint in {self.root} to resume from")
         if not path.is_dir():
             raise ConfigError("resume", f"{path} does not exist; complete checkpoints in {self.root}: {listing}")
         try:
@@ -261,7 +248,7 @@ class CheckpointManager:
         and the metrics rows after S to `<run dir>/abandoned/<same>/metrics.jsonl` (renames, nothing
         is deleted). Retention and a requeue then only see the branch's own checkpoints. Returns
         the folder the checkpoints went to, or None when nothing was newer."""
-        newer = [p for step, p in step_dirs(self.root) if step > ckpt.step and p.resolve() != ckpt.path.resolve()]
+        newer = [p for step, p in paths.step_dirs(self.root) if step > ckpt.step and p.resolve() != ckpt.path.resolve()]
         metrics = run_dir / paths.METRICS
         rows = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
         later = [r for r in rows if _row_step(r) > ckpt.step]

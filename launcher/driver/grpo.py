@@ -22,11 +22,11 @@ import shutil
 import threading
 import time
 
-from launcher import files, paths
+from launcher import files, logs, paths, progress
 from launcher import plan as plan_mod
-from launcher.cluster.context import JobContext, log
+from launcher.cluster.context import JobContext
 from launcher.config.schema import Config, ConfigError
-from launcher.driver import advantages, pipeline, rewards as rewards_mod
+from launcher.driver import advantages, metric_names as names, pipeline, rewards as rewards_mod
 from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
 from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary
@@ -36,7 +36,7 @@ from launcher.driver.startup import Startup, step_parts, summary_text
 from launcher.paths import checkpoint_dirs
 from workers.contracts import Generators, Trainers, WeightSync
 
-REFIT_SECONDS = "timing/transfer_and_update_weights"
+log = logs.get(__name__).info
 
 
 def named_failures(ctx: JobContext, plan, parts, fn, *args):
@@ -55,7 +55,7 @@ def named_failures(ctx: JobContext, plan, parts, fn, *args):
 def add_refit(row: dict, refit: dict) -> None:
     """A refit's metrics into a step's row: seconds add up, bytes and tensors are the last refit's."""
     if refit:
-        row.update({**refit, REFIT_SECONDS: row.get(REFIT_SECONDS, 0.0) + refit[REFIT_SECONDS]})
+        row.update({**refit, names.REFIT_TIME: row.get(names.REFIT_TIME, 0.0) + refit[names.REFIT_TIME]})
 
 
 class GrpoRun:
@@ -83,22 +83,22 @@ class GrpoRun:
     # ------------------------------------------------------------------ one step
     def validate(self, step: int, row: dict, at_start: bool = False) -> None:
         """Greedy validation with the weights of `step` (the trainers hold them now)."""
-        self.phase("validation")
+        self.phase(progress.VALIDATION)
         refit, m = self.pipeline.validate(step, self.data.val, step)
         add_refit(row, refit)
-        log(f"validation after step {step}: reward {m['val/reward']:.3f}  accuracy {m['val/accuracy']:.3f}"
-            + (f"  ({m['val/reward_errors']} reward errors)" if m["val/reward_errors"] else ""))
-        row.update({f"{k}_at_start": v for k, v in m.items()} if at_start else m)
+        log(f"validation after step {step}: reward {m[names.VAL_REWARD]:.3f}  accuracy {m[names.VAL_ACCURACY]:.3f}"
+            + (f"  ({m[names.VAL_REWARD_ERRORS]} reward errors)" if m[names.VAL_REWARD_ERRORS] else ""))
+        row.update({f"{k}{names.AT_START}": v for k, v in m.items()} if at_start else m)
 
     def rollout(self, step: int, row: dict) -> pipeline.RolloutResult:
         """Launch what the schedule launches now and wait for the rollout of `step`."""
         self.pipeline.launch(through=step + self.lag, trainer_version=step - 1)
-        self.phase("generation")
+        self.phase(progress.GENERATION)
         got = self.pipeline.get(step)
         add_refit(row, got.refit)
         row.update(got.metrics)
-        if got.metrics["data/dropped_prompts"]:
-            log(f"step {step}: skipped {got.metrics['data/dropped_prompts']} prompt(s) longer than "
+        if got.metrics[names.DROPPED_PROMPTS]:
+            log(f"step {step}: skipped {got.metrics[names.DROPPED_PROMPTS]} prompt(s) longer than "
                 f"{self.data.prompts.max_tokens} tokens (data.max_prompt_tokens)")
         return got
 
@@ -112,28 +112,28 @@ class GrpoRun:
         batch = build_batch(rollout, adv, self.data.pad_id)
         m: dict = {}
         t = time.perf_counter()
-        self.phase("logprobs")
+        self.phase(progress.LOGPROBS)
         batch["prev_logprobs"] = self.trainers.logprobs(batch)
         if g.loss.reference_policy_kl_penalty > 0:
             batch["reference_logprobs"] = self.trainers.logprobs(batch, adapters=False)
-        m["timing/logprobs"] = time.perf_counter() - t
+        m[names.LOGPROBS_TIME] = time.perf_counter() - t
         agree = agreement_metrics(batch["generation_logprobs"], batch["prev_logprobs"], batch["loss_mask"])
         t = time.perf_counter()
-        self.phase("training")
+        self.phase(progress.TRAINING)
         train = self.trainers.train(batch)
-        m["timing/training"] = time.perf_counter() - t
-        m["train/reward"] = sum(rollout.rewards) / len(rollout.rewards)
+        m[names.TRAINING_TIME] = time.perf_counter() - t
+        m[names.REWARD] = sum(rollout.rewards) / len(rollout.rewards)
         lag = (step - 1) - got.version
         if lag == 0:  # generated with the weights the trainers scored it with: engine vs trainer alone
-            m.update({"train/token_mult_prob_error": agree["token_mult_prob_error"],
-                      "train/gen_kl_error": agree["gen_kl_error"]})
+            m.update({names.TOKEN_MULT_PROB_ERROR: agree["token_mult_prob_error"],
+                      names.GEN_KL_ERROR: agree["gen_kl_error"]})
         if self.lag:
             # generation vs the trainers' weights, `lag` steps newer: what the importance weight corrects
-            m.update({"pipeline/lag": lag, "pipeline/generated_with": got.version,
-                      "pipeline/off_policy_kl": agree["gen_kl_error"]})
-        m["train/mean_response_tokens"] = float(batch["loss_mask"].sum()) / len(rollout.rewards)
-        m.update({f"train/{k}": v for k, v in train.items() if isinstance(v, (int, float)) or hasattr(v, "item")})
-        m["sample"] = rollout.texts[0]
+            m.update({names.LAG: lag, names.GENERATED_WITH: got.version, names.OFF_POLICY_KL: agree["gen_kl_error"]})
+        m[names.MEAN_RESPONSE_TOKENS] = float(batch["loss_mask"].sum()) / len(rollout.rewards)
+        m.update({f"{names.TRAIN}{k}": v for k, v in train.items()
+                  if isinstance(v, (int, float)) or hasattr(v, "item")})
+        m[names.SAMPLE] = rollout.texts[0]
         return m
 
     # ------------------------------------------------------------------ the loop
@@ -142,7 +142,7 @@ class GrpoRun:
         ckpt = self.ckpts.resolve(self.cfg.resume)
         check_compatible(ckpt.path, self.cfg)
         info = ckpt.info()
-        self.phase("resume")
+        self.phase(progress.RESUME)
         restored = self.named_failures(self.trainers.load_state, str(ckpt.path / "trainer"))
         step, position = int(info["step"]), int(info["consumed_prompts"])
         log(f"resumed from {ckpt.path} (step {step}, {position} prompts consumed; trainer {restored})")
@@ -170,7 +170,7 @@ class GrpoRun:
                 step += 1
                 self.ctx.progress["step"] = step
                 t0 = time.perf_counter()
-                row: dict = {REFIT_SECONDS: 0.0, "refit/bytes": 0}
+                row: dict = {names.REFIT_TIME: 0.0, names.REFIT_BYTES: 0}
                 try:
                     if step == 1 and g.val_at_start and self.data.val is not None:
                         self.validate(0, row, at_start=True)
@@ -181,7 +181,7 @@ class GrpoRun:
                         self.validate(step, row)
                     if self.lag:
                         row.update(self.pipeline.timings())
-                    row["timing/total_step"] = time.perf_counter() - t0
+                    row[names.STEP_TIME] = time.perf_counter() - t0
                     if self.ckpts.due(step, g.max_num_steps, stopping=self.stop.is_set()):
                         self.save(step, position, row, config_yaml)
                         last_saved = step
@@ -210,7 +210,7 @@ class GrpoRun:
         name = f"step {self.ctx.progress['step']} (this run's first)"
         self.startup.mark(name)
         self.startup.parts(name, step_parts(row), concurrent=False)
-        self.startup.write(self.run_dir / "startup.json")
+        self.startup.write(self.run_dir / paths.STARTUP)
         log(self.startup.format())
 
     def check_disk(self, step: int) -> None:
@@ -229,7 +229,7 @@ class GrpoRun:
     def save(self, step: int, position: int, row: dict, config_yaml: str) -> None:
         """The trainers' state and, with the pipeline, the rollouts already launched for the steps
         after `step` (waited for: the engines keep generating while the trainers write)."""
-        self.phase("checkpoint")
+        self.phase(progress.CHECKPOINT)
         self.check_disk(step)
         t = time.perf_counter()
         tmp = self.ckpts.begin(step)
@@ -239,8 +239,8 @@ class GrpoRun:
         if ahead:
             info["pipeline"] = pipeline.save(tmp, ahead, self.cfg, self.lag)
         ckpt = self.ckpts.commit(tmp, step, info, config_yaml)
-        row["timing/checkpoint"] = time.perf_counter() - t
-        log(f"checkpoint {ckpt.path} ({row['timing/checkpoint']:.1f}s"
+        row[names.CHECKPOINT_TIME] = time.perf_counter() - t
+        log(f"checkpoint {ckpt.path} ({row[names.CHECKPOINT_TIME]:.1f}s"
             + (f"; with the rollouts of step(s) {', '.join(str(r.step) for r in ahead)}" if ahead else "") + ")")
 
 
@@ -249,7 +249,7 @@ def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event
     rewards = rewards_mod.Rewards(cfg.reward, cfg.data.answer_key, ctx.run_dir)
     parts = Workers()
     try:
-        ctx.progress["phase"] = "start-up"
+        ctx.progress["phase"] = progress.START_UP
         named_failures(ctx, plan, parts, start, cfg, plan, ctx, startup, parts)
         grpo = GrpoRun(cfg, ctx, parts.trainers, parts.generators, parts.refit, parts.data, rewards, stop, plan,
                        startup)

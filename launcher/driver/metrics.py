@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-from launcher import files, paths, progress
+from launcher import files, logs, paths, progress
 from launcher.config.schema import Logging
+from launcher.driver import metric_names as names
+
+_log = logs.get(__name__)
 
 
 def read(path: Path) -> list[dict]:
@@ -57,7 +59,7 @@ class MetricsLogger:
         self._progress(step, row)
 
     def _progress(self, step: int, row: dict) -> None:
-        print(progress.step_line(step, self.total, row), flush=True, file=sys.stdout)
+        _log.info(progress.step_line(step, self.total, row), extra=logs.PLAIN)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -80,23 +82,23 @@ def summary(rows: list[dict]) -> str:
         return "no steps recorded"
     first, last = rows[0], rows[-1]
     k = max(1, min(3, len(rows) // 3))
-    start = sum(r["train/reward"] for r in rows[:k]) / k
-    end = sum(r["train/reward"] for r in rows[-k:]) / k
+    start = sum(r[names.REWARD] for r in rows[:k]) / k
+    end = sum(r[names.REWARD] for r in rows[-k:]) / k
     mean = lambda key: sum(float(r.get(key, 0.0)) for r in rows) / len(rows)  # noqa: E731
     lines = [
         f"{'steps':<34} {first['step']} -> {last['step']}",
         f"{'reward (first -> last ' + str(k) + ' steps)':<34} {start:.3f} -> {end:.3f}",
-        f"{'max gen_kl_error':<34} {_max(rows, 'train/gen_kl_error', '.3e')}",
-        f"{'max token_mult_prob_error':<34} {_max(rows, 'train/token_mult_prob_error', '.6f')}",
-        f"{'seconds per step (mean)':<34} {mean('timing/total_step'):.2f}",
-        f"{'seconds per refit (mean)':<34} {mean('timing/transfer_and_update_weights'):.3f}",
-        f"{'bytes per refit':<34} {int(mean('refit/bytes')):,}",
+        f"{'max gen_kl_error':<34} {_max(rows, names.GEN_KL_ERROR, '.3e')}",
+        f"{'max token_mult_prob_error':<34} {_max(rows, names.TOKEN_MULT_PROB_ERROR, '.6f')}",
+        f"{'seconds per step (mean)':<34} {mean(names.STEP_TIME):.2f}",
+        f"{'seconds per refit (mean)':<34} {mean(names.REFIT_TIME):.3f}",
+        f"{'bytes per refit':<34} {int(mean(names.REFIT_BYTES)):,}",
     ]
     val = validation_points(rows)
     if val:
         lines.insert(2, f"{'validation reward (first -> last)':<34} {val[0][1]:.3f} -> {val[-1][1]:.3f} "
                         f"(accuracy {val[0][2]:.3f} -> {val[-1][2]:.3f}, {len(val)} evaluations)")
-    for key, label in (("reward/errors", "reward errors (total)"), ("data/dropped_prompts", "prompts skipped (too long)")):
+    for key, label in ((names.REWARD_ERRORS, "reward errors (total)"), (names.DROPPED_PROMPTS, "prompts skipped (too long)")):
         total = sum(int(r.get(key, 0)) for r in rows)
         if total:
             lines.append(f"{label:<34} {total}")
@@ -114,10 +116,10 @@ def validation_points(rows: list[dict]) -> list[tuple[int, float, float]]:
     """(step, val/reward, val/accuracy) of every validation, the one at start as step 0."""
     out = []
     for r in rows:
-        if "val/reward_at_start" in r:
-            out.append((0, float(r["val/reward_at_start"]), float(r["val/accuracy_at_start"])))
-        if "val/reward" in r:
-            out.append((r["step"], float(r["val/reward"]), float(r["val/accuracy"])))
+        if names.VAL_REWARD + names.AT_START in r:
+            out.append((0, float(r[names.VAL_REWARD + names.AT_START]), float(r[names.VAL_ACCURACY + names.AT_START])))
+        if names.VAL_REWARD in r:
+            out.append((r["step"], float(r[names.VAL_REWARD]), float(r[names.VAL_ACCURACY])))
     return out
 
 
@@ -132,21 +134,21 @@ def plot(rows: list[dict], out: Path) -> Path | None:
 
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(steps, [r["train/reward"] for r in rows], marker="o", label="train")
+    a.plot(steps, [r[names.REWARD] for r in rows], marker="o", label="train")
     val = validation_points(rows)
     if val:
         a.plot([v[0] for v in val], [v[1] for v in val], marker="s", label="validation (greedy)")
         a.legend()
     a.set(xlabel="step", ylabel="mean reward", title="reward")
     a.grid(alpha=0.3)
-    agree = [r for r in rows if "train/gen_kl_error" in r]
-    b.semilogy([r["step"] for r in agree], [max(float(r["train/gen_kl_error"]), 1e-18) for r in agree], marker="o",
+    agree = [r for r in rows if names.GEN_KL_ERROR in r]
+    b.semilogy([r["step"] for r in agree], [max(float(r[names.GEN_KL_ERROR]), 1e-18) for r in agree], marker="o",
                label="gen_kl_error")
-    b.semilogy([r["step"] for r in agree], [max(float(r["train/token_mult_prob_error"]) - 1.0, 1e-18) for r in agree],
+    b.semilogy([r["step"] for r in agree], [max(float(r[names.TOKEN_MULT_PROB_ERROR]) - 1.0, 1e-18) for r in agree],
                marker="x", label="token_mult_prob_error - 1")
-    lagged = [r for r in rows if "pipeline/off_policy_kl" in r and "train/gen_kl_error" not in r]
+    lagged = [r for r in rows if names.OFF_POLICY_KL in r and names.GEN_KL_ERROR not in r]
     if lagged:
-        b.semilogy([r["step"] for r in lagged], [max(float(r["pipeline/off_policy_kl"]), 1e-18) for r in lagged],
+        b.semilogy([r["step"] for r in lagged], [max(float(r[names.OFF_POLICY_KL]), 1e-18) for r in lagged],
                    marker=".", linestyle=":", label="off_policy_kl (pipelined steps)")
     b.set(xlabel="step", title="train vs generation logprobs")
     b.legend()

@@ -45,11 +45,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from launcher import files, paths, records
+from launcher import files, paths, progress, records
 from launcher.config.schema import Config
+from launcher.driver import metric_names as names
 from launcher.driver.rollout import Rollout, collect, validation
-
-
 
 def version_for(step: int, lag: int, restart: int = 0) -> int:
     """The weights version that generates the rollout of `step` (module docstring)."""
@@ -58,8 +57,8 @@ def version_for(step: int, lag: int, restart: int = 0) -> int:
 
 def refit_metrics(report) -> dict:
     """A RefitReport as the metrics row has it."""
-    return {"timing/transfer_and_update_weights": report.transfer_and_update_weights_s,
-            "refit/bytes": report.bytes, "refit/tensors": report.tensors}
+    return {names.REFIT_TIME: report.transfer_and_update_weights_s, names.REFIT_BYTES: report.bytes,
+            names.REFIT_TENSORS: report.tensors}
 
 
 @dataclass
@@ -185,13 +184,13 @@ class Pipeline:
             return None
         self.queued_version = version
         if self.refit.deferrable:
-            self.progress["phase"] = "refit"
+            self.progress["phase"] = progress.REFIT
             snapshot = self.refit.take(version)
             return lambda: refit_metrics(self.refit.deliver(snapshot))
         t = time.perf_counter()
         self.queue.drain()   # the engines' last job done: sender and receivers meet in the group
         self.waited_s += time.perf_counter() - t
-        self.progress["phase"] = "refit"
+        self.progress["phase"] = progress.REFIT
         pushed = refit_metrics(self.refit.push(version))
         return lambda: pushed
 
@@ -219,11 +218,11 @@ class Pipeline:
             raise
 
     def _rollout(self, step: int, version: int, before: Callable[[], dict] | None) -> RolloutResult:
-        refit = self._doing("refit", step, before) if before is not None else {}
+        refit = self._doing(progress.REFIT, step, before) if before is not None else {}
         t = time.perf_counter()
-        rollout, position, m = self._doing("generation", step, lambda: collect(
+        rollout, position, m = self._doing(progress.GENERATION, step, lambda: collect(
             self.cfg, self.generators, self.prompts, self.rewards, step, self._position))
-        m["timing/generation"] = time.perf_counter() - t
+        m[names.GENERATION_TIME] = time.perf_counter() - t
         self._position = position
         return RolloutResult(step, version, rollout, position, m, refit)
 
@@ -239,18 +238,19 @@ class Pipeline:
         """Greedy validation with W_version after whatever is queued: (refit metrics, val metrics
         with timing/validation)."""
         before = self._engines_at(version)
-        self.progress["phase"] = "validation"
+        self.progress["phase"] = progress.VALIDATION
 
         def job():
-            refit = self._doing("refit", step, before) if before is not None else {}
+            refit = self._doing(progress.REFIT, step, before) if before is not None else {}
             t = time.perf_counter()
-            m = self._doing("validation", step, lambda: validation(self.cfg, self.generators, val, self.rewards, step))
-            m["timing/validation"] = time.perf_counter() - t
+            m = self._doing(progress.VALIDATION, step,
+                            lambda: validation(self.cfg, self.generators, val, self.rewards, step))
+            m[names.VALIDATION_TIME] = time.perf_counter() - t
             return refit, m
 
         t = time.perf_counter()
         refit, m = self._result(self.queue.submit(job))
-        self.waited_s += max(0.0, time.perf_counter() - t - m["timing/validation"])
+        self.waited_s += max(0.0, time.perf_counter() - t - m[names.VALIDATION_TIME])
         return refit, m
 
     def ahead(self, step: int) -> list[RolloutResult]:
@@ -259,7 +259,7 @@ class Pipeline:
 
     def timings(self) -> dict:
         """This step's exposed and idle generation (then reset)."""
-        out = {"timing/exposed_generation": self.waited_s, "timing/idle_generation": self.queue.idle_s}
+        out = {names.EXPOSED_GENERATION_TIME: self.waited_s, names.IDLE_GENERATION_TIME: self.queue.idle_s}
         self.waited_s, self.queue.idle_s = 0.0, 0.0
         return out
 

@@ -150,5 +150,15 @@ def _serve(fd: int) -> None:
         conn.send(target.call(*msg))
 
 
+def main(argv: list[str] | None = None) -> None:
+    """`python -m launcher.driver.reward_pool FD`: one reward worker, started by the pool."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m launcher.driver.reward_pool",
+                                     description="A reward worker process (started by RewardPool, not by hand).")
+    parser.add_argument("fd", type=int, metavar="FD", help="the pool's end of the pipe, inherited")
+    _serve(parser.parse_args(argv).fd)
+
+
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    main()

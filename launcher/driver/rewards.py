@@ -101,7 +101,9 @@ def file_part(spec: str) -> Path | None:
 
 
 def run_copy(run_dir: Path, spec: str) -> Path:
-    return Path(run_dir) / "reward" / file_part(spec).name
+    from launcher import paths
+
+    return Path(run_dir) / paths.REWARD_DIR / file_part(spec).name
 
 
 def copy_into_run(spec: str, run_dir: Path) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from launcher.config.schema import Config
+from launcher.driver import metric_names as names
 from workers.contracts import TrainerBatch
 
 
@@ -89,11 +90,10 @@ def collect(cfg: Config, generators, prompts, rewards, step: int, position: int)
             break
     full = min(len(kept), want)
     batch = Rollout.join(kept[:want] + spare[:want - full], reward_errors=errors)
-    m = {"data/dropped_prompts": skipped, "reward/errors": errors,
-         "response/truncated_fraction": sum(batch.truncated) / len(batch.truncated)}
+    m = {names.DROPPED_PROMPTS: skipped, names.REWARD_ERRORS: errors,
+         names.TRUNCATED_FRACTION: sum(batch.truncated) / len(batch.truncated)}
     if g.dynamic_sampling.enabled:
-        m.update({"dynamic_sampling/kept_groups": full, "dynamic_sampling/gen_batches": r + 1,
-                  "dynamic_sampling/generated_samples": generated})
+        m.update({names.KEPT_GROUPS: full, names.GEN_BATCHES: r + 1, names.GENERATED_SAMPLES: generated})
     return batch, position, m
 
 
@@ -103,9 +103,9 @@ def validation(cfg: Config, generators, val, rewards, step: int) -> dict:
 
     examples, ids = val
     r = sample(cfg, generators, ids, examples, step, rewards, greedy=True)
-    return {"val/reward": sum(r.rewards) / len(r.rewards),
-            "val/accuracy": sum(1 for x in r.rewards if correct(x)) / len(r.rewards),
-            "val/reward_errors": r.reward_errors, "val/sample": r.texts[0]}
+    return {names.VAL_REWARD: sum(r.rewards) / len(r.rewards),
+            names.VAL_ACCURACY: sum(1 for x in r.rewards if correct(x)) / len(r.rewards),
+            names.VAL_REWARD_ERRORS: r.reward_errors, names.VAL_SAMPLE: r.texts[0]}
 
 
 def build_batch(r: Rollout, adv: list[float], pad_id: int) -> TrainerBatch:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from launcher import files
 from launcher import plan as plan_mod
-from workers.generator.placement import in_placement_group
 
 
 def run(plan: plan_mod.Plan, hostnames: list[str], out: Path) -> dict:
@@ -30,6 +29,8 @@ def run(plan: plan_mod.Plan, hostnames: list[str], out: Path) -> dict:
 
     Raises if an actor is not on its planned node. Writes the report to `out` (JSON)."""
     import ray
+
+    from workers.generator.placement import in_placement_group
 
     @ray.remote
     class Probe:

@@ -15,13 +15,16 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
+from launcher import logs, paths
 from launcher import plan as plan_mod
-from launcher.cluster.context import JobContext, log
+from launcher.cluster.context import JobContext
 from launcher.config.schema import Config, ConfigError
 from launcher.driver import data, models
 from launcher.driver.failures import StepFailed
 from launcher.driver.startup import Startup, actor_parts, start_together, warmed_up
 from workers.contracts import Generators, Trainers, WeightSync
+
+log = logs.get(__name__).info
 
 
 @dataclass
@@ -122,17 +125,15 @@ def start(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, startup: Startup, i
     into.refit.connect()
     startup.mark("refit transport set up")
     log(f"actors up in {time.time() - t0:.1f}s; refit {cfg.refit.mode} over {into.refit.transport}")
-    print(into.trainers.peft_statistics, flush=True)
+    log(into.trainers.peft_statistics, extra=logs.PLAIN)
     print_actor_logs(ctx, into.trainers, into.generators)
     return into
 
 
 def print_actor_logs(ctx: JobContext, trainers: Trainers, generators: Generators) -> None:
-    from launcher.cluster import worker_setup
-
-    d = worker_setup.log_dir(ctx.run_dir)
-    lines = [f"  trainer rank {i['rank']}: {worker_setup.path_for(d, i['pid'], i['hostname'])}"
+    d = ctx.run_dir / paths.ACTOR_LOGS
+    lines = [f"  trainer rank {i['rank']}: {paths.actor_log(d, i['pid'], i['hostname'])}"
              for i in trainers.infos]
-    lines += [f"  vLLM engine {e}: {worker_setup.path_for(d, i['pid'], i.get('hostname'))}"
+    lines += [f"  vLLM engine {e}: {paths.actor_log(d, i['pid'], i.get('hostname'))}"
               for e, i in enumerate(generators.infos)]
     log("actor logs:\n" + "\n".join(lines))

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.driver import metric_names as names
+
 
 def process_start_time(pid: int | None = None) -> float:
     """When a process started (wall clock, ~10 ms resolution), from /proc through psutil."""
@@ -124,15 +126,15 @@ def actor_parts(requested_at: float, infos: list[dict], label: str) -> list[tupl
 
 def step_parts(row: dict) -> list[tuple[str, float]]:
     """The first step's timed phases, in order, from its metrics row."""
-    keys = (("refit (first: sends the layout)", "timing/transfer_and_update_weights"),
-            ("generation (first: vLLM warm-up)", "timing/generation"), ("logprobs", "timing/logprobs"),
-            ("training (first: optimizer state)", "timing/training"), ("checkpoint", "timing/checkpoint"))
+    keys = (("refit (first: sends the layout)", names.REFIT_TIME),
+            ("generation (first: vLLM warm-up)", names.GENERATION_TIME), ("logprobs", names.LOGPROBS_TIME),
+            ("training (first: optimizer state)", names.TRAINING_TIME), ("checkpoint", names.CHECKPOINT_TIME))
     return [(name, float(row[k])) for name, k in keys if row.get(k)]
 
 
 def warmup(rows: list[dict]) -> tuple[float, float] | None:
     """(step 1's total_step, the median of the later steps'), when there are later steps."""
-    steps = [float(r["timing/total_step"]) for r in rows if "timing/total_step" in r]
+    steps = [float(r[names.STEP_TIME]) for r in rows if names.STEP_TIME in r]
     if len(steps) < 2:
         return None
     return steps[0], statistics.median(steps[1:])

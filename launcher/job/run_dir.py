@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,37 +18,23 @@ from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
-from launcher.config.schema import Config
-from launcher.driver import data, rewards
-from launcher.job import sbatch
 from launcher import files, paths
+from launcher.config.schema import Config
+from launcher.job import sbatch, slurm_job
 from launcher.paths import checkpoint_dirs
 
 
 def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
     """The config as saved in the run: every path absolute (`~` expanded), so the job does not
     depend on a cwd or a home directory."""
+    from launcher.driver import data
+
     out = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
     paths.absolute_config(out)
     data.absolute_sources(out)
     out.run.root = str(run_dir.parent)
     out.dry_run = False
     return out
-
-
-# squeue states after which a job never runs again; any other listed state still owns the run dir
-_FINISHED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
-             "TIMEOUT", "REVOKED"}
-
-
-def slurm_state(job_id: str) -> str | None:
-    """The job's state as squeue shows it, or None (finished, unknown, or no Slurm here)."""
-    try:
-        p = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    words = p.stdout.split() if p.returncode == 0 else []
-    return words[0] if words else None
 
 
 def active_job(run_dir: Path) -> tuple[str, str] | None:
@@ -65,9 +50,9 @@ def active_job(run_dir: Path) -> tuple[str, str] | None:
         except (ValueError, KeyError, TypeError):
             continue
     for job in reversed(dict.fromkeys(ids)):
-        state = slurm_state(job)
-        if state is not None and state not in _FINISHED:
-            return job, state
+        listed = slurm_job.queued(job)
+        if listed is not None and listed[0] not in slurm_job.FINISHED:  # still owns the run dir
+            return job, listed[0]
     return None
 
 
@@ -182,6 +167,8 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
             moved = f"the newer checkpoints were moved to {aside}, " if aside.is_dir() else ""
             print(f"note: resuming from step {ckpt.step} starts a new branch: {moved}later metrics rows to "
                   f"{run_dir / 'abandoned' / aside.name} (nothing deleted)", file=sys.stderr)
+    from launcher.driver import rewards
+
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
     config_mod.save(resolved(raw, run_dir), run_dir / paths.CONFIG)
     files.write(run_dir / paths.PLAN, plan.describe() + "\n" + memory.plan_memory(cfg, plan).describe() + "\n")
@@ -203,14 +190,10 @@ def resume_note(cfg: Config, run_dir: Path) -> str | None:
     if cfg.resume is None:
         return None
     root = checkpoint_dirs(cfg, run_dir)
-    saved = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: p.name) if root.is_dir() else []
-    if cfg.resume == "latest":
-        path = saved[-1] if saved else None
-    else:
-        path = root / cfg.resume if paths.RESUME_WORDS.match(cfg.resume) else Path(cfg.resume)
+    path = paths.resume_path(cfg.resume, root)
     if path is not None and path.is_dir():
         return None
-    listing = ", ".join(p.name for p in saved[-3:]) or "none"
+    listing = ", ".join(p.name for _, p in paths.step_dirs(root)[-3:]) or "none"
     return (f"+resume={cfg.resume}: no checkpoint {path or 'in ' + str(root)} on this machine (checkpoints in "
             f"{root}: {listing}); submission requires it")
 

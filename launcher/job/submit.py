@@ -1,7 +1,7 @@
 """Start the job: one multi-node Slurm job through submitit, or in this process (executor=local).
 
-The submitted callable is `JobTask(run_dir)`: every task of the job calls launcher.bootstrap with
-the run directory, where the resolved config waits. It is a submitit Checkpointable, so a time
+The submitted callable is `JobTask(run_dir)`: every task of the job calls
+launcher.cluster.bootstrap.run_task with the run directory, where the resolved config waits. It is a submitit Checkpointable, so a time
 limit or preemption signal requeues the job and the restarted tasks resume from the run dir.
 """
 
@@ -13,9 +13,9 @@ import submitit
 
 from launcher import files, paths
 from launcher import plan as plan_mod
-from launcher.job import sbatch
 from launcher.config.schema import Config
-from launcher.job import stop
+from launcher.job import sbatch
+from launcher.job.slurm_job import submitit_folder
 
 
 class JobTask(submitit.helpers.Checkpointable):
@@ -33,6 +33,8 @@ class JobTask(submitit.helpers.Checkpointable):
         """submitit calls this on task 0 when USR2 arrives (time limit or preemption): stop the
         driver at the end of its step (it saves a checkpoint), then requeue. The restarted job
         resumes from the latest checkpoint by itself (bootstrap.run_task)."""
+        from launcher.cluster import stop
+
         stop.stop_and_wait(_budget_s(self.run_dir))
         return submitit.helpers.DelayedSubmission(JobTask(self.run_dir))
 
@@ -43,10 +45,6 @@ def _budget_s(run_dir: str) -> float:
 
     cfg = load_typed(Path(run_dir) / paths.CONFIG)
     return max(5.0, cfg.slurm.signal_delay_s - 15.0)
-
-
-def submitit_folder(run_dir: Path) -> Path:
-    return run_dir / "submitit" / "%j"
 
 
 def submit_slurm(cfg: Config, plan: plan_mod.Plan, run_dir: Path) -> submitit.Job:
@@ -62,7 +60,7 @@ def submit_slurm(cfg: Config, plan: plan_mod.Plan, run_dir: Path) -> submitit.Jo
 def run_local(cfg: Config, plan: plan_mod.Plan, run_dir: Path, attempt: int = 0) -> dict:
     """executor=local: this process is task 0 of a one-node job (Ray head + driver); `attempt`
     counts restarts after failures (retry.max_restarts). Ctrl-C stops after a checkpoint."""
-    from launcher.cluster import bootstrap
+    from launcher.cluster import bootstrap, stop
     from launcher.cluster.context import JobContext
 
     return bootstrap.run_head(JobContext.local(run_dir, attempt), cfg, plan, signals=stop.local_handlers())

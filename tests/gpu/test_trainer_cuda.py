@@ -10,7 +10,7 @@ the distributed optimizer), in this process, no Ray and no vLLM needed (tests/gp
     restores adapters, the next step's loss, and the CUDA RNG state and megatron's CUDA RNG
     tracker states bit for bit
   - the merged export loads into the HF model and gives the trainer's logprobs
-Refit on the device: tests/gpu/test_refit_cuda.py.
+Refit on the device: tests/gpu/test_trainer_refit_cuda.py.
 
 Each test is skipped, not failed, without CUDA. Run:  python -m pytest tests/gpu -v   or
 python tests/gpu/test_trainer_cuda.py (every recipe of gpu_check.RECIPES, one process each:

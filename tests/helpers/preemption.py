@@ -8,14 +8,16 @@ import json
 import re
 from pathlib import Path
 
+from launcher.job import slurm_job
 from tests.helpers.held_step import HELD_STEP, release, steps_logged, wait_held, wait_until
 
 
 def job_ended(cluster, job: str, log: Path):
-    """For held_step.wait_until: None while `job` is pending or running, else its state and log tail."""
+    """For held_step.wait_until: None while `job` is not over (launcher.job.slurm_job.OVER), else
+    its state and log tail."""
     def ended() -> str | None:
         state = cluster.sacct_state(job)
-        if state in (None, "PENDING", "RUNNING"):
+        if state is None or state not in slurm_job.OVER:
             return None
         return f"job {job} is {state}: " + (log.read_text()[-3000:] if log.exists() else "no log")
     return ended
@@ -24,7 +26,7 @@ def job_ended(cluster, job: str, log: Path):
 def signal_in_held_step(cluster, job: str, run: Path, log: Path, signals: tuple[str, ...],
                         timeout: float) -> None:
     """Once step HELD_STEP is held (a job run with HELD_REWARD), send `signals` to the job's tasks
-    (scancel --signal), wait until task 0's log `log` says it took one (job.stop), then release it."""
+    (scancel --signal), wait until task 0's log `log` says it took one (launcher.cluster.stop), then release it."""
     ended = job_ended(cluster, job, log)
     wait_held(run, ended, timeout)
     for sig in signals:

@@ -1,19 +1,50 @@
-"""Test-only trainer: a MegatronTrainer with probes the production actor does not need.
+"""Test-only trainer: a MegatronTrainer with probes the production actor does not need, and the
+group that runs it on every rank.
 
-    TrainerGroup(config, num_ranks=2, actor_cls=ProbedTrainer)
+    ProbedTrainerGroup(config, num_ranks=2)
 
 Ray workers import this module by its path (the driver's working directory is on their path).
 """
 
 from __future__ import annotations
 
+import torch
+
+from workers.trainer import gather
 from workers.trainer.actor import MegatronTrainer
+from workers.trainer.group import TrainerGroup
 
 
 class ProbedTrainer(MegatronTrainer):
     def parameters_snapshot(self) -> dict:
         """{name: this rank's local tensor} of every parameter."""
         return {n: p.detach().float().cpu().clone() for n, p in self._module.named_parameters()}
+
+    def export_merged_state(self, keep: bool | str = True):
+        """export_merged() as a list of CPU tensors (returned by rank 0 only when keep='rank0'; the
+        other ranks drain the collective export without keeping anything)."""
+        if not (keep is True or (keep == "rank0" and self.rank == 0)):
+            for _ in self.export_merged():
+                pass
+            return None
+        return [(name, tensor.cpu()) for name, tensor in self.export_merged()]
+
+    def optimizer_state(self) -> dict:
+        """{name: {"exp_avg": full tensor, "exp_avg_sq": ..., "step": ...}} of the trainable parameters."""
+        if self.cfg.use_distributed_optimizer:
+            raise NotImplementedError("optimizer_state() reads the plain optimizer (not the distributed one)")
+        state: dict = {}
+        for inner in gather.torch_optimizers(self.optimizer):
+            state.update(inner.state)
+        trainable = {n: p for n, p in self._module.named_parameters() if p.requires_grad}
+        keys = sorted({k for p in trainable.values() for k in state.get(p, {})})
+        out: dict = {}
+        for key in keys:
+            full = gather.full_named(trainable, lambda name, param: _as_tensor(state[param][key]), self.ps,
+                                     self.model_config)
+            for name, tensor in full.items():
+                out.setdefault(name, {})[key] = tensor
+        return out
 
     def export_unmerged_state(self, keep: bool | str = True):
         """export_merged_state() without merging the adapters: the refit guard must refuse the
@@ -24,3 +55,24 @@ class ProbedTrainer(MegatronTrainer):
     def expert_biases(self) -> dict:
         """{name: this rank's MoE router expert bias} (a buffer, not a parameter)."""
         return {n: b.detach().cpu().clone() for n, b in self._module.named_buffers() if n.endswith(".expert_bias")}
+
+
+def _as_tensor(value):
+    return value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+
+
+class ProbedTrainerGroup(TrainerGroup):
+    """A TrainerGroup of ProbedTrainers, with calls of any method (the probes) on every rank."""
+
+    ACTOR = ProbedTrainer
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Run any ProbedTrainer method on every rank; answers in rank order."""
+        return self._call(method, *args, **kwargs)
+
+    def export_merged(self) -> list:
+        """The merged export, rank 0's (the others drain the collective export)."""
+        return self._call("export_merged_state", keep="rank0")[0]
+
+    def optimizer_state(self) -> dict:
+        return self._call("optimizer_state")[0]

@@ -32,7 +32,7 @@ class TrainedRun:
 
 
 def overrides(model_dir: Path, recipe: str, tp: int, run_name: str) -> list[str]:
-    from launcher.config.schema import BUILTIN_MODELS as RECIPES
+    from tests.helpers.recipes import RECIPES
 
     spec = RECIPES[recipe]
     return [f"model.name={recipe}", f"model.path={model_dir}", "model.builtin=null", f"model.family={spec['family']}",

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from launcher.driver.agreement import agreement_metrics
-from tests.helpers.generator import RecordingGenerator, recording_config
+from tests.helpers.generator import ProbedGeneratorGroup, RecordingGeneratorGroup, recording_config
 from workers.generator.actor import GeneratorConfig
-from workers.generator.group import GeneratorGroup
 from workers.refit import control as refit
 
 pytestmark = pytest.mark.integration
@@ -104,11 +103,11 @@ def trainers(local_ray, model_dir):
     import megatron.core  # noqa: F401
 
     from workers.trainer.config import TrainerConfig
-    from workers.trainer.group import TrainerGroup
+    from tests.helpers.trainer import ProbedTrainerGroup
 
     config = TrainerConfig.from_sections(model_dir, parallel={"tensor_parallel": 2}, peft=PEFT, optim=OPTIM,
                                          seed=5, max_num_steps=50)
-    group = TrainerGroup(config, num_ranks=2)
+    group = ProbedTrainerGroup(config, num_ranks=2)
     yield group
     group.shutdown()
 
@@ -139,17 +138,17 @@ def merged_state(trainers) -> dict:
     return dict(trainers.export_merged())
 
 
-def refit_from(trainers, group, mode, bucket_mb=0.05, **apply_kwargs):
+def refit_from(trainers, group, mode, bucket_mb=0.05):
     """One refit through the object store; returns (payload, generator report)."""
     payload = trainers.refit_payload(mode, bucket_mb)
-    return payload, group.apply_refit(payload, **apply_kwargs)
+    return payload, group.apply_refit(payload)
 
 
 @pytest.fixture(scope="module")
 def engines(local_ray, model_dir):
     # the recording subclasses (tests/helpers) add refit_record / refit_recorded to the engines
-    group = GeneratorGroup(recording_config(model=model_dir, kv_cache_memory_bytes=32 * 2**20), [SLOT, SLOT],
-                           ready_timeout_s=300, actor_cls=RecordingGenerator)
+    group = RecordingGeneratorGroup(recording_config(model=model_dir, kv_cache_memory_bytes=32 * 2**20), [SLOT, SLOT],
+                                    ready_timeout_s=300)
     yield group
     group.shutdown()
 
@@ -157,7 +156,7 @@ def engines(local_ray, model_dir):
 @pytest.fixture(scope="module")
 def lora_engine(local_ray, model_dir):
     config = GeneratorConfig(model=model_dir, kv_cache_memory_bytes=32 * 2**20, enable_lora=True, max_lora_rank=8)
-    group = GeneratorGroup(config, [SLOT], ready_timeout_s=300)
+    group = ProbedGeneratorGroup(config, [SLOT], ready_timeout_s=300)
     yield group
     group.shutdown()
 
@@ -270,7 +269,7 @@ def test_refit_without_prefix_cache_reset_is_caught(engines, trainers, model_dir
         except AssertionError:
             return False
 
-    refit_from(trainers, engines, "merged_delta", reset_prefix_cache=False)
+    engines.apply_refit_keeping_prefix_cache(trainers.refit_payload("merged_delta", 0.05))
     assert not agrees(), "stale prefix cache went unnoticed: this test would not catch a missing reset"
     refit_from(trainers, engines, "merged_delta")  # the real path resets
     assert agrees()
@@ -331,8 +330,8 @@ def test_a_workers_loader_error_ends_the_broadcast_refit_naming_it(trainers, mod
     from workers.refit.transports import BroadcastTransport
 
     slot = {"resources": {"generation_slot": 0.25}, "num_cpus": 0.25}
-    group = GeneratorGroup(recording_config(model=model_dir, kv_cache_memory_bytes=32 * 2**20), [slot, slot],
-                           ready_timeout_s=300, actor_cls=RecordingGenerator)
+    group = RecordingGeneratorGroup(recording_config(model=model_dir, kv_cache_memory_bytes=32 * 2**20), [slot, slot],
+                                    ready_timeout_s=300)
     bad = "model.layers.1.self_attn.o_proj.weight"
     try:
         sync = refit.make_refit(trainers, group, "gloo", "cpu", "merged", 0.05, timeout_s=900)

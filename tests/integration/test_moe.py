@@ -19,7 +19,6 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers.trainer import ProbedTrainer
 
 pytestmark = pytest.mark.integration
 
@@ -33,12 +32,12 @@ SLOT = {"resources": {"generation_slot": 1}, "num_cpus": 0.5}
 
 def make_group(model_dir, tp=1, ep=1, peft=ATTENTION, seed=11):
     from workers.trainer.config import TrainerConfig
-    from workers.trainer.group import TrainerGroup
+    from tests.helpers.trainer import ProbedTrainerGroup
 
     parallel = {"tensor_parallel": tp, "expert_parallel": ep, "sequence_parallel": tp > 1}
     config = TrainerConfig.from_sections(str(model_dir), parallel=parallel, peft=peft, optim=OPTIM, seed=seed,
                                          max_num_steps=20)
-    return TrainerGroup(config, num_ranks=max(tp, ep), actor_cls=ProbedTrainer)
+    return ProbedTrainerGroup(config, num_ranks=max(tp, ep))
 
 
 def hf_model(model_dir, state=None, tmp=None):

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from launcher.config import model_facts
-from tests.helpers.trainer import ProbedTrainer
 
 pytestmark = pytest.mark.integration
 
@@ -42,12 +41,12 @@ LONG_PROMPT = 150  # vLLM's Mamba block is 128 tokens with prefix caching (cpu_s
 
 def make_group(model_dir, tp=1, ep=1, peft=LORA, dtype="float32"):
     from workers.trainer.config import TrainerConfig
-    from workers.trainer.group import TrainerGroup
+    from tests.helpers.trainer import ProbedTrainerGroup
 
     parallel = {"tensor_parallel": tp, "expert_parallel": ep, "sequence_parallel": tp > 1}
     config = TrainerConfig.from_sections(str(model_dir), parallel=parallel, peft=peft, optim=OPTIM, seed=11,
                                          max_num_steps=20, dtype=dtype)
-    return TrainerGroup(config, num_ranks=max(tp, ep), actor_cls=ProbedTrainer)
+    return ProbedTrainerGroup(config, num_ranks=max(tp, ep))
 
 
 def hf_model(model_dir, state=None, tmp=None):

@@ -14,7 +14,6 @@ import re
 import pytest
 import torch
 
-from tests.helpers.trainer import ProbedTrainer
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +29,8 @@ ATOL = 1e-5
 def make_config(model_dir, tp=1, peft=PEFT, micro_batch_size=0):
     from workers.trainer.config import TrainerConfig
 
-    return TrainerConfig.from_sections(str(model_dir), parallel={"tensor_parallel": tp}, peft=peft, optim=OPTIM,
-                                       loss=LOSS, seed=11, max_num_steps=20, micro_batch_size=micro_batch_size)
+    return TrainerConfig.from_sections(str(model_dir), parallel={"tensor_parallel": tp, "micro_batch_size": micro_batch_size},
+                                       peft=peft, optim=OPTIM, loss=LOSS, seed=11, max_num_steps=20)
 
 
 def hf_logprobs(model_dir, input_ids, state=None):
@@ -76,10 +75,10 @@ def with_logprobs(group, batch):
 
 @pytest.fixture(scope="module")
 def groups(local_ray, model_dir, tmp_path_factory):
-    from workers.trainer.group import TrainerGroup
+    from tests.helpers.trainer import ProbedTrainerGroup
 
-    tp1 = TrainerGroup(make_config(model_dir, tp=1), num_ranks=1, actor_cls=ProbedTrainer)
-    tp2 = TrainerGroup(make_config(model_dir, tp=2, micro_batch_size=2), num_ranks=2, actor_cls=ProbedTrainer)
+    tp1 = ProbedTrainerGroup(make_config(model_dir, tp=1), num_ranks=1)
+    tp2 = ProbedTrainerGroup(make_config(model_dir, tp=2, micro_batch_size=2), num_ranks=2)
     start = tmp_path_factory.mktemp("start") / "step0"
     tp1.save_state(start)  # lets later groups begin from exactly the same adapters
     yield {"tp1": tp1, "tp2": tp2, "start": start}
@@ -249,10 +248,10 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(groups, batch, tmp_path):
 
 @pytest.fixture(scope="module")
 def dp2(groups, model_dir):
-    from workers.trainer.group import TrainerGroup
+    from tests.helpers.trainer import ProbedTrainerGroup
 
     groups["tp2"].shutdown()  # free the two train slots
-    group = TrainerGroup(make_config(model_dir, tp=1), num_ranks=2)
+    group = ProbedTrainerGroup(make_config(model_dir, tp=1), num_ranks=2)
     yield group
     group.shutdown()
 
@@ -277,10 +276,10 @@ def test_data_parallel_split_equals_one_rank(groups, dp2, batch):
 
 
 def test_full_finetuning_trains_every_weight(local_ray, model_dir, batch):
-    from workers.trainer.group import TrainerGroup
+    from tests.helpers.trainer import ProbedTrainerGroup
 
-    group = TrainerGroup(make_config(model_dir, tp=1, peft={**PEFT, "enabled": False, "target_modules": []}),
-                         num_ranks=1, actor_cls=ProbedTrainer)
+    group = ProbedTrainerGroup(make_config(model_dir, tp=1, peft={**PEFT, "enabled": False, "target_modules": []}),
+                               num_ranks=1)
     try:
         assert group.infos[0]["num_parameters"]["trainable"] == group.infos[0]["num_parameters"]["total"]
         with pytest.raises(Exception, match="adapters=False"):

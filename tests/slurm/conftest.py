@@ -38,10 +38,11 @@ from pathlib import Path
 
 import pytest
 
+from launcher.job.slurm_job import OVER
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "slurm_cluster"
-# states after which a job will not run again (sacct); REQUEUED/PENDING/RUNNING are not among them
-TERMINAL = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-            "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"}
+# states after which this instance of a job is over (sacct); REQUEUED/PENDING/RUNNING are not among them
+TERMINAL = OVER
 
 
 @dataclass

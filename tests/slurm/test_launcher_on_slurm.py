@@ -187,7 +187,7 @@ def test_a_many_node_job_places_every_actor_as_planned_and_names_a_lost_node_in_
     assert state == "FAILED", log[-6000:]
     assert re.search(rf"node {lost} \({nodes[lost]}, generation\) left the Ray cluster: this node's Ray stopped",
                      log), log[-6000:]
-    end = time.time() + 30  # each node's launcher.reaper takes its Ray tree down once its task is gone
+    end = time.time() + 30  # each node's launcher.cluster.reaper takes its Ray tree down once its task is gone
     while ray_processes_of(job, nodes) and time.time() < end:
         time.sleep(1)
     assert not ray_processes_of(job, nodes)

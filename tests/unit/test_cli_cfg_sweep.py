@@ -20,7 +20,7 @@ from launcher import stop as stop_cli
 from launcher import sweep as sweep_mod
 from launcher.__main__ import main
 from launcher.config.compose import ConfigError
-from launcher.job import stop as stop_mod
+from launcher.cluster import stop as stop_mod
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +63,9 @@ def test_cfg_all_adds_the_derived_run_dir_and_plan_and_imports_no_torch(tmp_path
     (["--cfg", "hydra"], "error: --cfg: must be job or all, got 'hydra' (there is no hydra config to print)"),
     (["--cfg"], "error: --cfg: needs a value: job or all"),
     (["--max-points=0", "-m", "peft.dim=8"], "error: --max-points: must be a positive whole number, got '0'"),
-    (["--verbose"], "error: --verbose: not an option; arguments are key=value overrides (see --help)"),
+    (["--verbosity"], "error: --verbosity: not an option; arguments are key=value overrides (see --help)"),
+    (["--max"], "error: --max: not an option; arguments are key=value overrides (see --help)"),  # no abbreviations
+    (["-q", "-v"], "error: -v: not allowed with argument -q/--quiet"),
     (["peft.dim=8,16"], "error: peft.dim=8,16: is a sweep: add -m (--multirun) for one run per value, or quote "
                         "a value that holds commas: key='a,b'"),
 ])
@@ -288,6 +290,9 @@ def test_heartbeat_says_what_a_long_wait_waits_for():
     assert said == ["still training (step 2) (0s)"]
     assert progress.phase_text({}) == "starting: loading the model, starting trainer and vLLM actors"
     assert progress.phase_text({"phase": "checkpoint", "step": 4}) == "writing a checkpoint (step 4)"
+    # what the driver sets reads as such: its start-up (was "start-up" verbatim) and validation
+    assert progress.phase_text({"phase": "start-up"}) == progress.phase_text({})
+    assert progress.phase_text({"phase": "validation", "step": 4}) == "validating (step 4)"
 
 
 # ------------------------------------------------------------------------------------- status, stop

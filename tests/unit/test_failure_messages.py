@@ -52,7 +52,7 @@ def test_submitits_checkpoint_hook_waits_for_the_save_after_a_sigterm():
     though SIGTERM already asked the driver to stop (else the requeue kills the save)."""
     import time
 
-    from launcher.job import stop
+    from launcher.cluster import stop
 
     finished = []
 

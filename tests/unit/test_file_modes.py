@@ -87,7 +87,7 @@ def test_a_sweep_record_is_as_private_as_its_runs(sandbox, shared, capsys):
 
 def test_stop_and_status_write_only_private_files(sandbox, shared, capsys):
     from launcher import files, status, stop
-    from launcher.job import stop as job_stop
+    from launcher.cluster import stop as job_stop
 
     runs = sandbox / "runs"
     assert cli.main(["submit=false", f"run.root={runs}", "run.name=l", flag(shared)]) == 0
@@ -108,7 +108,7 @@ def test_the_jobs_own_writers(sandbox, shared, capsys):
     """head.json, registered, done, a node report, failures.jsonl, metrics, a checkpoint (the trainer
     ranks write with the umask: the commit brings them to the policy) and its branch move."""
     from launcher import files, paths
-    from launcher.cluster import bootstrap
+    from launcher.cluster import bootstrap, watch
     from launcher.cluster.context import JobContext
     from launcher.config.schema import Checkpointing, Logging
     from launcher.driver.checkpoints import CheckpointManager
@@ -122,7 +122,7 @@ def test_the_jobs_own_writers(sandbox, shared, capsys):
     files.make_dir(ctx.rendezvous)
     files.write_json(ctx.rendezvous / paths.HEAD, {"ip": "127.0.0.1", "port": 6379, "host": "node1"})
     files.touch(ctx.rendezvous / paths.REGISTERED)
-    bootstrap._write_node_report(ctx, "this node's Ray stopped")
+    watch.write_node_report(ctx, "this node's Ray stopped")
     bootstrap.record_failure(run, "4242", RuntimeError("node 1 left"))
     bootstrap.finished_before(JobContext(run, "4242", 1, 0, ["node1", "node2"]), 5)
     m = MetricsLogger(run, Logging(tensorboard=False), total_steps=4)

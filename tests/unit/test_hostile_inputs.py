@@ -193,7 +193,7 @@ CASES = [
     *[Case(f"resume-other-{k}", ["run.name=c", "+resume=step_5", f"{k}={v}", *SLURM, "submit=false"], 2,
            f"resume: {{root}}/c/checkpoints/step_5 was written for {k}=", setup=_ckpt("c", 5))
       for k, v in [("peft.alpha", "64"), ("peft.lora_dtype", "bfloat16"), ("model.dtype", "bfloat16"),
-                   ("optim.optimizer", "sgd"), ("model.builtin", "tiny_llama_g4"), ("peft.dim", "8")]],
+                   ("optim.optimizer", "sgd"), ("model.builtin", "tiny_qwen3"), ("peft.dim", "8")]],
     Case("resume-step-infinity", ["run.name=i", "+resume=latest", *SLURM, "submit=false"], 2,
          "resume: {root}/i/checkpoints/step_5/training_info.json: not valid JSON (Infinity is not JSON)",
          setup=_ckpt("i", 5, info={"step": float("inf"), "consumed_prompts": 0})),

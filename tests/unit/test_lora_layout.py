@@ -11,7 +11,8 @@ import torch
 
 from workers.lora import layout as lora_layout, peft as lora_peft
 from workers.lora.layout import ModelLayout
-from launcher.config.schema import BUILTIN_MODELS as RECIPES
+from tests.helpers.lora import fuse_lora_b
+from tests.helpers.recipes import RECIPES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,7 +55,7 @@ def test_qkv_lora_b_split_matches_query_group_layout_and_round_trips(name):
         assert torch.equal(got, want)
     assert q.shape == (layout.num_attention_heads * layout.head_dim, r)
     assert k.shape == v.shape == (layout.num_query_groups * layout.head_dim, r)
-    assert torch.equal(lora_layout.fuse_lora_b(layout, mm, (q, k, v)), b)
+    assert torch.equal(fuse_lora_b(layout, mm, (q, k, v)), b)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -81,7 +82,7 @@ def test_gated_fc1_split_including_tp_interleaved_gathers():
     fused = torch.cat([gate, up])
     got_gate, got_up = lora_layout.split_lora_b(layout, mm, fused)
     assert torch.equal(got_gate, gate) and torch.equal(got_up, up)
-    assert torch.equal(lora_layout.fuse_lora_b(layout, mm, (gate, up)), fused)
+    assert torch.equal(fuse_lora_b(layout, mm, (gate, up)), fused)
     # gathered from TP=2 shards: [gate_0; up_0; gate_1; up_1]
     interleaved = torch.cat([gate[:128], up[:128], gate[128:], up[128:]])
     got_gate, got_up = lora_layout.split_lora_b(layout, mm, interleaved, fc1_tp_shards=2)

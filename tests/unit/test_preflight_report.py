@@ -17,7 +17,7 @@ from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext
 from launcher.config import compose
 from launcher.config.schema import typed
-from launcher.driver import preflight
+from launcher.cluster import preflight
 
 HOSTS = ["gpu-a", "gpu-b", "gpu-c"]
 
@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
             "model_dir": str(root / "models" / "tiny_llama"), "model_must_exist": False,
             "checkpoint_dir": str(run_dir / "checkpoints"), "train_hosts": [], "world": 1, "timeout_s": 30,
             "master": "127.0.0.1:1"}
-    probe = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.driver import "
+    probe = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.cluster import "
                                        "preflight; print(json.dumps(preflight.probe(json.loads(sys.argv[1]))))",
                                        json.dumps(args)], capture_output=True, text=True, check=True,
                                       env={"CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin:/bin"}).stdout)
@@ -68,6 +68,26 @@ def test_a_real_probe_sees_the_run_directory_and_four_gpus(setup):
     assert probe["gpus"] == 4 and probe["run_dir_read"] == "ok" and probe["run_dir_write"] == "ok"
     assert probe["torch"].startswith("2.") and len(probe["packages_hash"]) == 12
     assert any(p.startswith("torch==") for p in probe["packages"])
+
+
+def test_the_package_list_does_not_depend_on_what_the_probe_imported(monkeypatch):
+    """On a generation node the probe imports vLLM's executor class, which through setuptools puts
+    setuptools/_vendor on sys.path; importlib.metadata then also finds the vendored copies there
+    (autocommand, backports.tarfile, importlib-metadata, inflect) and that node's packages differed
+    from node 0's (tests/slurm/test_preflight_on_slurm.py). Here the same directory, the installed
+    setuptools' own, is put on sys.path the way setuptools does it (appended)."""
+    import importlib.metadata as md
+    import importlib.util
+
+    vendor = Path(importlib.util.find_spec("setuptools").submodule_search_locations[0]) / "_vendor"
+    vendored = {d.metadata["Name"].lower() for d in md.distributions(path=[str(vendor)])}
+    assert {"autocommand", "inflect"} <= vendored   # the directory the defect put on sys.path
+    before = preflight._packages()
+    assert not any(p.split("==")[0] in ("autocommand", "inflect") for p in before)
+    assert any(p.startswith("torch==") for p in before)
+    monkeypatch.setattr(sys, "path", sys.path + [str(vendor)])
+    assert {"autocommand", "inflect"} <= {d.metadata["Name"].lower() for d in md.distributions()}  # what it read
+    assert preflight._packages() == before
 
 
 def test_healthy_nodes_give_no_problem_and_a_table(setup):
@@ -145,7 +165,7 @@ def test_a_real_probe_imports_what_its_roles_need_and_each_failure_is_a_problem_
             "generation_hosts": [socket.gethostname()], "world": 1, "timeout_s": 30, "master": "127.0.0.1:1",
             "needs": {"train": [["mamba_ssm", "not asked: this node does not train"]],
                       "generation": [["json:JSONDecoder", "present"], ["no_such_executor_pkg:Executor", "missing"]]}}
-    real = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.driver import "
+    real = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; from launcher.cluster import "
                                       "preflight; print(json.dumps(preflight.probe(json.loads(sys.argv[1]))))",
                                       json.dumps(args)], capture_output=True, text=True, check=True,
                                      cwd=str(Path(__file__).resolve().parents[2])).stdout)

@@ -37,8 +37,10 @@ def test_from_run_config():
     run = {"topology": section("topology/local.yaml"), "peft": section("peft/lora_attention.yaml"),
            "optim": section("optim/adam_constant.yaml"), "grpo": section("grpo/demo.yaml"),
            "model": section("model/tiny_llama.yaml"), "run": {"seed": 1234}}
-    cfg = TrainerConfig.from_run_config(run, "/tmp/model", micro_batch_size=2)
-    assert (cfg.seed, cfg.max_num_steps, cfg.device, cfg.dtype, cfg.micro_batch_size) == (1234, run["grpo"]["max_num_steps"], "cpu", "float32", 2)
+    run["topology"]["train"]["micro_batch_size"] = 2
+    cfg = TrainerConfig.from_run_config(run, "/tmp/model")
+    assert (cfg.seed, cfg.max_num_steps, cfg.device, cfg.dtype, cfg.parallel.micro_batch_size) == (
+        1234, run["grpo"]["max_num_steps"], "cpu", "float32", 2)
     assert cfg.parallel.tensor_parallel == 2 and cfg.peft.target_modules == ["linear_qkv", "linear_proj"]
     assert cfg.loss.ratio_clip_c == 10.0 and cfg.optim.lr == 1e-5
 
@@ -71,3 +73,22 @@ def test_refit_guard_names_the_offending_weight():
     assert [n for n, _ in guard_refit_names([("model.norm.weight", t)])] == ["model.norm.weight"]
     with pytest.raises(RuntimeError, match=r"'model.layers.0.mlp.down_proj.base_layer.weight'.*'.base_layer'"):
         list(guard_refit_names([("model.layers.0.mlp.down_proj.base_layer.weight", t)]))
+
+
+def test_every_trainer_knob_is_reachable_from_a_run():
+    """What a run's config sets is what the trainer gets, as the driver builds it (grpo.start):
+    the micro-batch size from topology.train, and no TrainerConfig field a run cannot set."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from launcher.config import compose
+    from launcher.config.schema import typed
+
+    cfg = typed(compose.compose(["topology.train.micro_batch_size=3", "run.seed=7", "grpo.temperature=0.7"]))
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    trainer = TrainerConfig.from_run_config(plain, "/tmp/model")
+    assert (trainer.parallel.micro_batch_size, trainer.seed, trainer.temperature) == (3, 7, 0.7)
+    set_by_run = {"model_path", "device", "dtype", "seed", "max_num_steps", "temperature", "parallel", "peft", "optim",
+                  "loss"}
+    assert {f.name for f in dataclasses.fields(TrainerConfig)} == set_by_run

@@ -26,7 +26,7 @@
   bridge_no_te      megatron.bridge.peft.utils.HAVE_TE := False. Without TE, megatron-core's TE
                     classes are MagicMock placeholders, so the bridge believes TE is present and
                     LoRA's isinstance checks fail ("isinstance() arg 2 must be a type").
-  moe_dispatcher    MoE expert parallelism (measured in notes/moe-on-cpu.md): megatron's all-to-all
+  moe_dispatcher    MoE expert parallelism (docs/moe.md): megatron's all-to-all
                     token dispatcher makes a torch.cuda.Stream for its device-to-host copies and
                     records/waits events on it; it gets an inert stream (record_event included)
                     and torch.cuda.stream(...) is a no-op. It also relies on
@@ -138,9 +138,9 @@ def import_stubs(triton: bool, mamba_ssm: bool) -> None:
         _STUBS["triton"] = stub
         once("import_stubs")
     if mamba_ssm and "mamba_ssm" not in _STUBS:
-        from workers.cpu_shim import mamba
+        from workers.cpu_shim.mamba import package
 
-        _STUBS["mamba_ssm"] = mamba.package()
+        _STUBS["mamba_ssm"] = package()
         once("mamba_ssm")
     if "te" in _STUBS:
         return  # the hook is installed; it reads _STUBS

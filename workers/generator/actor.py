@@ -179,11 +179,15 @@ class VllmGenerator:
     def num_workers(self) -> int:
         return self.config.tensor_parallel if self.config.device != "cpu" else 1
 
-    def apply_refit(self, payload, *, reset_prefix_cache: bool = True) -> dict:
-        """Apply one refit (a wire.RefitPayload) to every worker of this engine.
+    def apply_refit(self, payload) -> dict:
+        """Apply one refit (a wire.RefitPayload) to every worker of this engine, then drop the prefix
+        cache: its blocks hold keys and values computed with the old weights."""
+        t0 = time.perf_counter()
+        report = self._apply_refit(payload)
+        self.llm.reset_prefix_cache()
+        return {**report, "seconds": time.perf_counter() - t0}
 
-        reset_prefix_cache=False exists only for the test that proves the reset is needed.
-        """
+    def _apply_refit(self, payload) -> dict:
         t0 = time.perf_counter()
         spec = payload.to_spec()
         if payload.mode == "adapter":
@@ -197,8 +201,6 @@ class VllmGenerator:
         elif self._lora_request is not None:  # weights refit on a LoRA engine: serve the new weights
             self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
             self._lora_request = None
-        if reset_prefix_cache:
-            self.llm.reset_prefix_cache()
         return {"seconds": time.perf_counter() - t0, "bytes": results[0]["bytes"],
                 "buckets": results[0]["buckets"], "layouts_fetched": sum(r["layout_received"] for r in results),
                 "workers": results}

@@ -33,20 +33,19 @@ def split_evenly(n: int, parts: int) -> list[slice]:
 
 
 class GeneratorGroup:
+    ACTOR: type = VllmGenerator   # what each engine runs (tests/helpers/generator.py: a recording one)
     infos: list[GeneratorInfo]   # one per engine, in engine order (workers.contracts.Generators)
 
     def __init__(self, config: GeneratorConfig | Mapping[str, Any], actor_options: Sequence[Mapping[str, Any]],
-                 ready_timeout_s: float | None = None, actor_cls: type = VllmGenerator,
-                 bundles: Sequence[list[dict] | None] | None = None):
+                 ready_timeout_s: float | None = None, bundles: Sequence[list[dict] | None] | None = None):
         """Starts the engines and waits until all are up (at most ready_timeout_s, e.g. when the
-        cluster lacks the resources the options ask for; None waits forever). actor_cls: VllmGenerator
-        or a subclass of it (tests add methods to inspect the engine)."""
+        cluster lacks the resources the options ask for; None waits forever)."""
         import ray
 
         if not actor_options:
             raise ValueError("GeneratorGroup needs one .options() dict per engine")
         self.config = config if isinstance(config, GeneratorConfig) else GeneratorConfig(**config)
-        remote_cls = ray.remote(actor_cls)
+        remote_cls = ray.remote(self.ACTOR)
         self.groups, self.actors = [], []
         for opts, engine_bundles in zip(actor_options, bundles or [None] * len(actor_options)):
             opts = dict(opts)
@@ -82,16 +81,16 @@ class GeneratorGroup:
                                               None if seeds is None else list(seeds[part]), ignore_eos))
         return [g for chunk in ray.get(refs) for g in chunk]
 
-    def apply_refit(self, payload, **kwargs) -> dict:
+    def apply_refit(self, payload) -> dict:
         """Every engine applies `payload`; seconds is the slowest engine's. The first engine that
         fails raises (workers.refit.control.wait_all)."""
         from workers.refit.control import wait_all
 
-        return self.refit_summary(wait_all(self.start_refit(payload, **kwargs)))
+        return self.refit_summary(wait_all(self.start_refit(payload)))
 
-    def start_refit(self, payload, **kwargs) -> list:
+    def start_refit(self, payload) -> list:
         """Every engine starts applying `payload`: one ObjectRef per engine (see refit_summary)."""
-        return [a.apply_refit.remote(payload, **kwargs) for a in self.actors]
+        return [a.apply_refit.remote(payload) for a in self.actors]
 
     @staticmethod
     def refit_summary(results: list[dict]) -> dict:
@@ -119,12 +118,6 @@ class GeneratorGroup:
             offset += count
         self.transport = BroadcastTransport.name
         return world_size, refs
-
-    def call(self, method: str, *args, **kwargs) -> list:
-        """Run a VllmGenerator method on every engine (tests, diagnostics)."""
-        import ray
-
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def shutdown(self) -> None:
         import ray

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -222,18 +222,6 @@ def split_lora_b(layout: ModelLayout, mm: ModuleMap, lora_b: torch.Tensor,
         halves = [torch.chunk(shard, 2, dim=0) for shard in torch.chunk(lora_b, fc1_tp_shards, dim=0)]
         return torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
     return (lora_b,)
-
-
-def fuse_lora_b(layout: ModelLayout, mm: ModuleMap, parts: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Inverse of split_lora_b (TP=1 layout): per-HF-module Bs -> the fused Megatron LoRA-B."""
-    parts = tuple(parts)
-    if mm.kind == "qkv":
-        _, merge_qkv_weights = _qkv_helpers()
-        return merge_qkv_weights(layout.bridge_config(feature_dim=parts[0].shape[-1]), *parts)
-    if mm.kind == "gated":
-        return torch.cat(parts, dim=0)
-    (b,) = parts
-    return b
 
 
 # --------------------------------------------------------------------------------------------

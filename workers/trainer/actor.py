@@ -44,6 +44,8 @@ from workers.trainer import build, gather, state
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import grpo_loss
 
+MEGATRON_LOG_LEVEL = "WARNING"   # megatron's INFO lines list every bucket and config field
+
 
 def free_port() -> int:
     """A TCP port free on this node now (the OS picks it)."""
@@ -101,7 +103,7 @@ class MegatronTrainer:
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the process group at master_addr:master_port, build model + optimizer; returns info()."""
         self.startup.append(("waiting for the group (where, rank 0's address)", time.time()))
-        logging.getLogger("megatron").setLevel(self.cfg.megatron_log_level)  # before megatron imports
+        logging.getLogger("megatron").setLevel(MEGATRON_LOG_LEVEL)  # before megatron imports
         cpu_shim.apply(self.device)
         build.join_process_group(self.cfg, self.rank, self.world_size, master_addr, master_port)
         state.portable_tensor_pickles()
@@ -160,7 +162,7 @@ class MegatronTrainer:
         ids = batch["input_ids"]
         b, t = ids.shape
         t_pad = math.ceil(t / self._seq_multiple()) * self._seq_multiple()
-        mbs = self.cfg.micro_batch_size or b
+        mbs = self.cfg.parallel.micro_batch_size or b
         out = []
         for start in range(0, b, mbs):
             mb = {}
@@ -325,15 +327,6 @@ class MegatronTrainer:
             rows = hf_rows.get(name)
             yield name, (tensor[:rows] if rows is not None and tensor.dim() and tensor.shape[0] > rows else tensor)
 
-    def export_merged_state(self, keep: bool | str = True):
-        """export_merged() as a list of CPU tensors (returned by rank 0 only when keep='rank0'; the
-        other ranks drain the collective export without keeping anything)."""
-        if not (keep is True or (keep == "rank0" and self.rank == 0)):
-            for _ in self.export_merged():
-                pass
-            return None
-        return [(name, tensor.cpu()) for name, tensor in self.export_merged()]
-
     def refit_payload(self, mode: str, bucket_mb: int):
         return self.refit_sender.payload(self, mode, bucket_mb)
 
@@ -356,12 +349,6 @@ class MegatronTrainer:
         if self.lora is None:
             return {}
         return gather.adapter_state(self._module, self.ps, self.model_config)
-
-    def optimizer_state(self) -> dict:
-        """{name: {"exp_avg": full tensor, "exp_avg_sq": ..., "step": ...}} of the trainable parameters."""
-        if self.cfg.use_distributed_optimizer:
-            raise NotImplementedError("optimizer_state() reads the plain optimizer (not the distributed one)")
-        return gather.optimizer_state(self.optimizer, self._module, self.ps, self.model_config)
 
     # ----------------------------------------------------------------- checkpoints
     def _layout(self) -> dict:

@@ -21,6 +21,8 @@ from workers import cpu_shim
 from workers.trainer import bridge_fixes, kernels, provider_facts
 from workers.trainer.config import ParallelConfig, PeftConfig, TrainerConfig
 
+INIT_TIMEOUT_S = 600.0   # every rank of the group has joined within this (Ray starts them together)
+
 
 def torch_dtype(name: Optional[str]):
     return None if name in (None, "null", "") else getattr(torch, str(name).replace("torch.", ""))
@@ -35,7 +37,7 @@ def join_process_group(cfg: TrainerConfig, rank: int, world_size: int, master_ad
         torch.cuda.set_device(0)  # Ray / Slurm expose exactly one GPU to each trainer rank
     torch.distributed.init_process_group(
         "gloo" if is_cpu else "nccl", init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.init_timeout_s))
+        rank=rank, world_size=world_size, timeout=timedelta(seconds=INIT_TIMEOUT_S))
 
 
 def init_parallel_state(p: ParallelConfig, world_size: int):
@@ -110,9 +112,6 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     provider.params_dtype = dtype
     if provider.vocab_size % p.tensor_parallel:
         provider.should_pad_vocab = True  # megatron splits the vocab evenly over TP ranks
-    if cfg.activation_checkpointing:
-        provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = \
-            "full", "uniform", 1
     if is_cpu or not _have_transformer_engine():
         from megatron.bridge.models.gpt_provider import local_layer_spec
 

@@ -1,8 +1,9 @@
 """TrainerConfig: what one trainer rank needs, built from the run config's plain sections.
 
-The sections are launcher.config.schema's dataclasses (one definition of every key): topology.train,
-peft, optim and grpo.loss. The rules the launcher also checks (sequence / context parallelism, the
-loss) are schema's functions, so a trainer built outside the launcher refuses the same configs.
+The sections are launcher.config.schema's dataclasses (one definition of every key): topology.train
+(the layout and the micro-batch size), peft, optim and grpo.loss; every field here is one a run sets.
+The rules the launcher also checks (sequence / context parallelism, the loss) are schema's functions,
+so a trainer built outside the launcher refuses the same configs.
 """
 
 from __future__ import annotations
@@ -26,10 +27,6 @@ class TrainerConfig:
     dtype: str = "float32"
     seed: int = 1234
     max_num_steps: int = 10  # scheduler decay steps when optim.lr_decay_iters is null
-    micro_batch_size: int = 0  # sequences per micro-batch; 0: the rank's whole shard at once
-    activation_checkpointing: bool = False
-    init_timeout_s: float = 600.0
-    megatron_log_level: str = "WARNING"  # megatron's INFO logs list every bucket and config field
     temperature: float = 1.0  # grpo.temperature: logprobs are log_softmax(logits / temperature), as sampled
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
@@ -52,14 +49,13 @@ class TrainerConfig:
         return cfg
 
     @classmethod
-    def from_run_config(cls, cfg: dict, model_path: str, **top) -> "TrainerConfig":
+    def from_run_config(cls, cfg: dict, model_path: str) -> "TrainerConfig":
         """From the composed run config as plain data (OmegaConf.to_container(cfg, resolve=True))."""
         return cls.from_sections(
             model_path, parallel=cfg["topology"]["train"], peft=cfg["peft"], optim=cfg["optim"],
-            loss=cfg["grpo"]["loss"], **{"device": cfg["topology"]["device"], "dtype": cfg["model"]["dtype"],
-                                         "seed": cfg["run"]["seed"], "max_num_steps": cfg["grpo"]["max_num_steps"],
-                                         "temperature": cfg["grpo"]["temperature"], "model": cfg["model"],
-                                         **top})
+            loss=cfg["grpo"]["loss"], device=cfg["topology"]["device"], dtype=cfg["model"]["dtype"],
+            seed=cfg["run"]["seed"], max_num_steps=cfg["grpo"]["max_num_steps"],
+            temperature=cfg["grpo"]["temperature"], model=cfg["model"])
 
     @property
     def facts(self) -> ModelFacts:

@@ -84,22 +84,3 @@ def torch_optimizers(optimizer) -> list:
     """The torch optimizers inside a megatron optimizer: one, or one per parameter kind of a
     ChainedOptimizer (an MoE model with trainable expert weights: dense and expert groups)."""
     return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def optimizer_state(optimizer, module, ps, model_config) -> dict:
-    """{name: {"exp_avg": full tensor, "exp_avg_sq": ..., "step": ...}} of the trainable parameters."""
-    state: dict = {}
-    for inner in torch_optimizers(optimizer):
-        state.update(inner.state)
-    trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    keys = sorted({k for p in trainable.values() for k in state.get(p, {})})
-    out: dict = {}
-    for key in keys:
-        full = full_named(trainable, lambda name, param: _as_tensor(state[param][key]), ps, model_config)
-        for name, tensor in full.items():
-            out.setdefault(name, {})[key] = tensor
-    return out
-
-
-def _as_tensor(value):
-    return value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))

@@ -6,7 +6,7 @@ node IP and a free port, and has every rank join the process group there. Each m
 to all ranks (megatron calls are collective) and gathers the answer:
   logprobs / train   split the batch's sequences into contiguous data-parallel shards (every
                      rank of a DP shard gets the same shard) and concatenate the results in order
-  export_merged, adapter_state, lora_config, save_state, load_state, refit_payload: rank 0's answer
+  adapter_state, lora_config, save_state, load_state, refit_payload: rank 0's answer
 If an actor dies or raises, the call fails at once with an error naming the rank and its node
 (the other ranks may be stuck in a collective; `shutdown()` ends them).
 """
@@ -49,13 +49,12 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
 
 
 class TrainerGroup:
+    ACTOR: type[MegatronTrainer] = MegatronTrainer   # what each rank runs (tests/helpers/trainer.py: a probed one)
     infos: list[TrainerInfo]     # one per rank, in rank order (workers.contracts.Trainers)
     peft_statistics: str
 
     def __init__(self, config: TrainerConfig, actor_options: Optional[list[dict]] = None,
-                 num_ranks: Optional[int] = None, poll_s: float = 1.0,
-                 actor_cls: type[MegatronTrainer] = MegatronTrainer):
-        """actor_cls: the class each rank's actor runs (a subclass adds probes in tests)."""
+                 num_ranks: Optional[int] = None, poll_s: float = 1.0):
         if actor_options is None:
             if not num_ranks:
                 raise ValueError("give actor_options (one dict per rank) or num_ranks")
@@ -65,7 +64,7 @@ class TrainerGroup:
         self.config = config
         self.world_size = len(actor_options)
         self.poll_s = poll_s
-        remote_cls = ray.remote(actor_cls)
+        remote_cls = ray.remote(self.ACTOR)
         self.actors = [remote_cls.options(**opts).remote(config, rank, self.world_size)
                        for rank, opts in enumerate(actor_options)]
         self.where = self._call("where")
@@ -107,10 +106,6 @@ class TrainerGroup:
             refs.append(getattr(actor, method).remote(*call_args, **kwargs))
         return self._get(refs, list(range(len(refs))))
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        """Run any MegatronTrainer method on every rank; answers in rank order."""
-        return self._call(method, *args, **kwargs)
-
     def _shards(self, batch: dict) -> list[tuple]:
         shards = split_batch(batch, self.dp_size)
         return [(shards[info["dp_rank"]],) for info in self.infos]
@@ -127,14 +122,8 @@ class TrainerGroup:
     def train(self, batch: TrainerBatch) -> dict:
         return self._call("train", per_rank_args=self._shards(batch))[0]
 
-    def export_merged(self) -> list[tuple[str, Any]]:
-        return self._call("export_merged_state", keep="rank0")[0]
-
     def adapter_state(self) -> dict:
         return self._call("adapter_state")[0]
-
-    def optimizer_state(self) -> dict:
-        return self._call("optimizer_state")[0]
 
     def lora_config(self) -> dict:
         return self._call("lora_config")[0]

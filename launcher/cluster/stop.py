@@ -1,4 +1,9 @@
-"""Every signal the job reacts to, and the one stop event the driver watches.
+"""How a running job stops: every signal it reacts to, the one stop event the driver watches, the
+stop request file, and the requeue.
+
+This is the cluster's side (every task of the job runs it: the bootstrap, each node's Ray, Ray's
+worker setup hook); the commands read and write the same files through it (`python -m launcher`
+clears an earlier job's request at submission, `launcher.status` and `launcher.stop` read them).
 
 - The driver runs in a thread (cluster.bootstrap.run_driver); the main thread takes the signals
   and sets `stop` on the running driver, which ends at its next step boundary after a checkpoint.
@@ -24,13 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from launcher import files, paths, records
+from launcher import files, logs, paths, records
 
 JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
-
-
-def _say(msg: str) -> None:  # the launcher's log line format (cluster.context.log), without importing it
-    print(f"[launcher {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+_log = logs.get(__name__)
+_say = _log.warning   # why the run stops: said also under --quiet
 
 
 @dataclass
@@ -71,8 +74,8 @@ def _on_job_signal(signum, frame) -> None:
 def _on_sigint(signum, frame) -> None:
     if CURRENT is None or CURRENT.stop.is_set():
         raise KeyboardInterrupt  # the second Ctrl-C: stop now
-    print("\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again to stop now)",
-          flush=True)
+    _log.warning("\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again to stop now)",
+                 extra=logs.PLAIN)
     CURRENT.stop.set()
 
 
@@ -128,8 +131,7 @@ def write_stop_request(run_dir: Path, by: str) -> None:
 def stop_requested(run_dir: Path) -> dict | None:
     """The stop request (launcher.records.STOP_REQUEST), None when there is none; RecordError
     naming the file when it is not one."""
-    path = Path(run_dir) / STOP_FILE
-    return records.load(path, records.STOP_REQUEST) if path.exists() else None
+    return records.load(Path(run_dir) / STOP_FILE, records.STOP_REQUEST, missing_ok=True)
 
 
 def clear_stop_request(run_dir: Path) -> None:
@@ -172,8 +174,7 @@ def finish_stop_request(run_dir: Path, job_id: str, result: dict) -> bool:
 
 def read_stopped(run_dir: Path) -> dict | None:
     """RUN/stopped.json (launcher.records.STOPPED), None when there is none."""
-    path = Path(run_dir) / STOPPED_FILE
-    return records.load(path, records.STOPPED) if path.exists() else None
+    return records.load(Path(run_dir) / STOPPED_FILE, records.STOPPED, missing_ok=True)
 
 
 def requeue(job_id: str) -> None:

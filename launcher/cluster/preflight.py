@@ -1,8 +1,9 @@
 """`run.job=preflight`: check the job's nodes before a real run spends the allocation.
 
-On the same nodes and placement as the real run, node 0 starts one probe per node
-(`python -m launcher.driver.preflight probe`, through `srun --overlap` inside the job, or as a
-subprocess with the local executor) before Ray starts, so that a node that cannot see the run
+A check of the cluster, before there is one: on the same nodes and placement as the real run, the
+bootstrap of node 0 starts one probe per node (`python -m launcher.cluster.preflight probe`,
+through `srun --overlap` inside the job, or as a subprocess with the local executor) before Ray
+starts, so that a node that cannot see the run
 directory (whose job task therefore never starts) is still probed and named. Each probe reports
 its hostname, GPUs visible vs planned (and their memory vs `topology.gpu_memory_gib`, the memory
 plan's), driver / CUDA / torch / vLLM versions, a hash of the installed package versions, whether
@@ -16,7 +17,10 @@ run directory; then all probes run one all-reduce (NCCL on cuda, gloo on cpu) wh
 checked and whose bus bandwidth is measured. A table is printed (and
 written to RUN/preflight.txt, RUN/preflight.json) with one line per problem; any problem raises
 PreflightFailed, so the job exits non-zero. With no problem the Ray cluster then forms and the
-placement smoke runs (launcher.driver.smoke), as for the real run.
+driver runs the placement smoke (launcher.driver.jobs, launcher.driver.smoke), as for the real run.
+
+The one module of cluster/ that imports workers/ (inside functions): a node is checked for what
+the run's actors will import there (`build_needs`, workers.trainer.kernels).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import socket
 import subprocess
@@ -32,9 +37,10 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import files, paths
+from launcher import files, logs, paths
 from launcher import plan as plan_mod
 from launcher.cluster.context import ClusterError, JobContext, log
+from launcher.cluster.ray_node import free_port, resolve_ip
 from launcher.config import model_files
 from launcher.config.schema import Config
 from launcher.paths import checkpoint_dirs, model_dir
@@ -44,6 +50,7 @@ MIN_FREE_GIB = 1.0           # below this free disk in the run directory, checkp
 PROBE_TIMEOUT_S = 180.0
 ALLREDUCE_MIB = {"cuda": 256, "cpu": 16}
 PIECE_CHARS = 300            # JSON escaping at most doubles it: each line of a probe stays under 1 KiB
+NODE0_FILE = "node0.txt"     # written by node 0 in probes_dir: every probe reads it
 
 
 class PreflightFailed(ClusterError):
@@ -51,11 +58,27 @@ class PreflightFailed(ClusterError):
 
 
 # ------------------------------------------------------------------------------ one node (probe)
+def install_dirs() -> list[str]:
+    """Where this interpreter's installed distributions are: its site directories (the user's too
+    when it reads them) and PYTHONPATH's entries, as the interpreter started. Not sys.path, which an
+    import extends: setuptools appends its `_vendor` directory (the vLLM executor class the probe
+    imports on a generation node pulls it in), whose vendored copies (autocommand, inflect, ...)
+    are no installed package and made a generation node's list differ from a training node's."""
+    import site
+
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    dirs += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [d for d in dict.fromkeys(os.path.abspath(d) for d in dirs) if os.path.isdir(d)]
+
+
 def _packages() -> list[str]:
+    """`name==version` of every installed distribution (install_dirs), whatever the probe imported."""
     import importlib.metadata as md
 
     return sorted({f"{(d.metadata['Name'] or '?').lower().replace('_', '-')}=={d.version}"
-                   for d in md.distributions()})
+                   for d in md.distributions(path=install_dirs())})
 
 
 def _driver_version() -> str:
@@ -228,13 +251,14 @@ def allreduce(args: dict, rank: int, world: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m launcher.driver.preflight probe JSON`: one probe (started by node 0)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] != "probe":
-        print("usage: python -m launcher.driver.preflight probe JSON   (started by run.job=preflight)",
-              file=sys.stderr)
-        return 2
-    args = json.loads(argv[1])
+    """`python -m launcher.cluster.preflight probe JSON`: one probe (started by node 0)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m launcher.cluster.preflight",
+                                     description="One node's probe, started by node 0 of a run.job=preflight job.")
+    parser.add_argument("command", choices=["probe"])
+    parser.add_argument("json", metavar="JSON", help="what node 0 asks (the run directory, the plan's hosts, ...)")
+    args = json.loads(parser.parse_args(argv).json)
     world = args["world"]
     rank = int(os.environ.get("SLURM_PROCID", "0")) if world > 1 else 0
     info = probe(args)
@@ -278,7 +302,7 @@ def _records(out: str) -> list[dict]:
 
 # --------------------------------------------------------------------------------- node 0 (head)
 def _launch(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, args: dict) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "launcher.driver.preflight", "probe", json.dumps(args)]
+    cmd = [sys.executable, "-m", "launcher.cluster.preflight", "probe", json.dumps(args)]
     if cfg.topology.executor == "slurm":
         n = len(ctx.hostnames)
         srun = ["srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
@@ -291,19 +315,28 @@ def _launch(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, args: dict) -> su
         if cfg.slurm.container_mounts:
             srun.append(f"--container-mounts={cfg.slurm.container_mounts}")
         cmd = srun + cmd
+    logs.get(__name__).debug(f"preflight: $ {shlex.join(cmd[:-1])} '<the probe's arguments>'")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_STEP_")}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd="/")
 
 
+def probes_dir(ctx: JobContext) -> Path:
+    """RUN/preflight/<job>.<attempt>/: node 0's file for the probes to read, and theirs."""
+    return ctx.run_dir / paths.PREFLIGHT_PROBES / f"{ctx.job_id}.{ctx.attempt}"
+
+
+def checked(ctx: JobContext) -> bool:
+    """The nodes of this job attempt were probed already (the Slurm task did, before the head)."""
+    return (probes_dir(ctx) / NODE0_FILE).exists()
+
+
 def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
     """Probe every node of the job (node 0 calls this before Ray starts). Raises PreflightFailed."""
-    from launcher.cluster.ray_node import free_port, resolve_ip
-
     t0 = time.time()
     run_dir = ctx.run_dir
-    folder = files.make_dir(run_dir / "preflight" / f"{ctx.job_id}.{ctx.attempt}")
+    folder = files.make_dir(probes_dir(ctx))
     nonce = secrets.token_hex(8)
-    token = files.write(folder / "node0.txt", nonce)
+    token = files.write(folder / NODE0_FILE, nonce)
     model = model_dir(cfg)
     args = {"device": plan.device, "run_dir": str(run_dir), "token_file": str(token), "nonce": nonce,
             "model_dir": str(model), "model_must_exist": bool(cfg.model.path),
@@ -334,9 +367,9 @@ def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
     report["problems"] = problems
     report["seconds"] = round(time.time() - t0, 1)
     table = format_table(report)
-    print(table, flush=True)
-    files.write(run_dir / "preflight.txt", table + "\n")
-    files.write_json(run_dir / "preflight.json", report)
+    logs.get(__name__).info(table, extra=logs.PLAIN)
+    files.write(run_dir / paths.PREFLIGHT_TABLE, table + "\n")
+    files.write_json(run_dir / paths.PREFLIGHT_REPORT, report)
     if problems:
         files.make_dir(ctx.rendezvous)
         files.write_json(ctx.rendezvous / paths.DONE, {"ok": False, "error": "preflight failed"})  # other tasks leave
@@ -447,21 +480,6 @@ def format_table(report: dict) -> str:
 def _imports_cell(r: dict) -> str:
     imports = r.get("imports", {})
     return "-" if not imports else "ok" if all(v == "ok" for v in imports.values()) else "FAIL"
-
-
-# ------------------------------------------------------------------------------ the driver's job
-def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop) -> dict:
-    """The job kind, once Ray has formed: the node checks (unless node 0 ran them before Ray, as
-    in a Slurm job), then the placement smoke of the real run's actors."""
-    from launcher.driver import smoke
-
-    done = ctx.run_dir / "preflight" / f"{ctx.job_id}.{ctx.attempt}" / "node0.txt"
-    report = json.loads((ctx.run_dir / "preflight.json").read_text()) if done.exists() else \
-        check_nodes(cfg, plan, ctx)
-    placement = smoke.run(plan, ctx.hostnames, ctx.run_dir / "placement.json")
-    log(f"preflight passed: {len(ctx.hostnames)} node(s) checked, {len(placement['actors'])} actors on their "
-        f"planned nodes in {placement['seconds']}s")
-    return {"preflight": report, "placement": placement}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""launcher.cluster.reaper: what a node's `ray start` leaves behind dies with it, orphans included.
+
+A real process tree (sh, a backgrounded sleep re-parented to the reaper when its shell ends), no
+Ray: when CMD ends, the reaper kills everything below it; when the bootstrap that started it is
+killed, the same. Each sleep carries a marker the test looks for in the process table (a second
+duration: GNU sleep adds them up).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import random
+
+import psutil
+
+from launcher.cluster import reaper
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])
+            and "sleep" in (p.info["cmdline"] or [""])[0]]
+
+
+def _marker() -> str:
+    return f"0.{random.randrange(10**8, 10**9)}"
+
+
+def _reaper_cmd(parent_pid: int, marker: str, then: str) -> list[str]:
+    # the subshell's sleep outlives the subshell: re-parented to the reaper (a subreaper), not to init
+    return [sys.executable, "-m", "launcher.cluster.reaper", str(parent_pid), "sh", "-c", f"(sleep 300 {marker} &); {then}"]
+
+
+def _wait(what, timeout: float = 20.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if (got := what()):
+            return got
+        time.sleep(0.1)
+    return what()
+
+
+def test_an_orphan_of_cmd_dies_when_cmd_ends():
+    marker = _marker()
+    proc = subprocess.Popen(_reaper_cmd(psutil.Process().pid, marker, "sleep 1"))
+    orphan = _wait(lambda: _marked(marker))
+    assert orphan and orphan[0].ppid() == proc.pid          # re-parented to the reaper
+    assert proc.pid in [p for p in reaper.descendants(proc.pid)] and orphan[0].pid in reaper.descendants(proc.pid)
+    assert proc.wait(timeout=30) == 0                         # CMD's own exit code
+    assert _wait(lambda: not _marked(marker)), _marked(marker)
+
+
+def test_the_tree_dies_when_the_bootstrap_is_killed():
+    """The bootstrap (here a python that starts the reaper, as ray_node.start_ray does) killed by
+    SIGKILL: its reaper notices and kills the tree."""
+    marker = _marker()
+    start = f"import os, subprocess, time; subprocess.Popen({_reaper_cmd(0, marker, 'sleep 300')!r}[:3] + " \
+            f"[str(os.getpid())] + {_reaper_cmd(0, marker, 'sleep 300')!r}[4:]); time.sleep(300)"
+    bootstrap = subprocess.Popen([sys.executable, "-c", start])
+    assert _wait(lambda: _marked(marker))
+    reaper_proc = psutil.Process(bootstrap.pid).children()[0]
+    bootstrap.kill()
+    bootstrap.wait()
+    assert _wait(lambda: not _marked(marker)), _marked(marker)
+    assert _wait(lambda: not reaper_proc.is_running() or reaper_proc.status() == psutil.STATUS_ZOMBIE)
+
+
+def test_descendants_of_a_gone_pid_is_itself():
+    p = subprocess.Popen(["true"])
+    p.wait()
+    assert reaper.descendants(p.pid) == [p.pid]
