@@ -190,10 +190,12 @@ CASES = [
     Case("nodes-1e9", ["topology.nodes=1000000000", *SLURM], 2,
          "topology.nodes: must be at most 4096, got 1000000000"),
     # 9: small surprises; check_compatible covers what the adapter and optimizer tensors depend on
+    # (a built-in model of another family is named by its first resolved fact, the family)
     *[Case(f"resume-other-{k}", ["run.name=c", "+resume=step_5", f"{k}={v}", *SLURM, "submit=false"], 2,
-           f"resume: {{root}}/c/checkpoints/step_5 was written for {k}=", setup=_ckpt("c", 5))
-      for k, v in [("peft.alpha", "64"), ("peft.lora_dtype", "bfloat16"), ("model.dtype", "bfloat16"),
-                   ("optim.optimizer", "sgd"), ("model.builtin", "tiny_qwen3"), ("peft.dim", "8")]],
+           f"resume: {{root}}/c/checkpoints/step_5 was written for {named}=", setup=_ckpt("c", 5))
+      for k, v, named in [("peft.alpha", "64", "peft.alpha"), ("peft.lora_dtype", "bfloat16", "peft.lora_dtype"),
+                          ("model.dtype", "bfloat16", "model.dtype"), ("optim.optimizer", "sgd", "optim.optimizer"),
+                          ("model.builtin", "tiny_qwen3", "model.family"), ("peft.dim", "8", "peft.dim")]],
     Case("resume-step-infinity", ["run.name=i", "+resume=latest", *SLURM, "submit=false"], 2,
          "resume: {root}/i/checkpoints/step_5/training_info.json: not valid JSON (Infinity is not JSON)",
          setup=_ckpt("i", 5, info={"step": float("inf"), "consumed_prompts": 0})),

@@ -89,6 +89,7 @@ def test_every_trainer_knob_is_reachable_from_a_run():
     plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     trainer = TrainerConfig.from_run_config(plain, "/tmp/model")
     assert (trainer.parallel.micro_batch_size, trainer.seed, trainer.temperature) == (3, 7, 0.7)
+    assert trainer.model == plain["model"] and trainer.facts.family == "llama"   # the run's resolved facts
     set_by_run = {"model_path", "device", "dtype", "seed", "max_num_steps", "temperature", "parallel", "peft", "optim",
-                  "loss"}
+                  "loss", "model"}
     assert {f.name for f in dataclasses.fields(TrainerConfig)} == set_by_run
