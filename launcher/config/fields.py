@@ -13,9 +13,11 @@ structured configs and Hydra's config store see plain defaults). The checkers:
 
 Booleans need no checker: their type is the set. `say` replaces a checker's message where the
 launcher has always said more ('LoRA rank must be at least 1, got 0'); `when` names a boolean
-field that switches the check on (peft.*: only with peft.enabled). launcher.config.ranges walks
-these (`check`), `python -m launcher --help SECTION` prints them (`describe`), and
-tests/unit/test_schema_ranges.py fails on a leaf without a checker or a doc.
+field of the same section that switches the check on (peft.*: only with peft.enabled).
+`errors(obj)` runs the checks of a config or of one section (launcher.config.ranges for the run's
+config, workers.trainer.config for the sections a trainer receives), `python -m launcher --help
+SECTION` prints them (`describe`), and tests/unit/test_schema_ranges.py fails on a leaf without a
+checker or a doc.
 
 Imports only the standard library: schema.py imports it, and the workers import schema.py.
 """
@@ -23,6 +25,7 @@ Imports only the standard library: schema.py imports it, and the workers import 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -158,8 +161,8 @@ _MISSING: Any = dataclasses.MISSING
 
 def knob(default: Any, check: Check | None, doc: str, *, when: str | None = None) -> Any:
     """A schema field: its default (a list or dict is copied per instance), its checker (None: a
-    boolean) and one line saying what it does; `when`: the dotted key of a boolean that must be
-    true for the check to apply."""
+    boolean) and one line saying what it does; `when`: the name of a boolean field of the same
+    section that must be true for the check to apply."""
     meta = {"check": check, "doc": doc, "when": when}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -178,7 +181,7 @@ class Leaf:
     default: Any
     check: Check | None
     doc: str
-    when: str | None
+    when: str | None          # dotted key of the boolean that switches the check on
 
 
 def leaves(cls: type, prefix: str = "") -> Iterator[Leaf]:
@@ -190,8 +193,30 @@ def leaves(cls: type, prefix: str = "") -> Iterator[Leaf]:
             yield from leaves(tp, f"{prefix}{f.name}.")
             continue
         default = f.default_factory() if f.default_factory is not _MISSING else f.default
+        when = f.metadata.get("when")
         yield Leaf(f"{prefix}{f.name}", tp, default, f.metadata.get("check"), f.metadata.get("doc", ""),
-                   f.metadata.get("when"))
+                   f"{prefix}{when}" if when else None)
+
+
+def errors(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, message) for each leaf of the dataclass instance `obj` (nested sections walked)
+    whose checker refuses its value, and each float that is not finite."""
+    out = []
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += errors(value, key + ".")
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            out.append((key, f"must be a finite number, got {value}"))
+            continue
+        check, when = f.metadata.get("check"), f.metadata.get("when")
+        if check is None or (when is not None and not getattr(obj, when)):
+            continue
+        message = check.error(value)
+        if message:
+            out.append((key, message))
+    return out
 
 
 def section_docs(cls: type, prefix: str = "") -> dict[str, str]:

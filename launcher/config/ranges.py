@@ -11,41 +11,13 @@ doc, or a bad value that is accepted, fails it.
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
-from typing import Any
-
-from launcher.config.fields import Leaf, leaves
-from launcher.config.schema import Config, ConfigError
+from launcher.config.schema import Config, ConfigError, field_errors
 from launcher.driver import metric_names as names
-
-
-@lru_cache(maxsize=1)
-def fields() -> tuple[Leaf, ...]:
-    """Every leaf field of the config, with its check and doc."""
-    return tuple(leaves(Config))
-
-
-def _get(cfg: Config, key: str) -> Any:
-    obj: Any = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def check(cfg: Config) -> list[ConfigError]:
     """Every field's own check, every float finite, then the cross-field rules."""
-    errs = []
-    for leaf in fields():
-        value = _get(cfg, leaf.key)
-        if isinstance(value, float) and not math.isfinite(value):
-            errs.append(ConfigError(leaf.key, f"must be a finite number, got {value}"))
-            continue
-        if leaf.check is None or (leaf.when is not None and not _get(cfg, leaf.when)):
-            continue
-        message = leaf.check.error(value)
-        if message:
-            errs.append(ConfigError(leaf.key, message))
+    errs = field_errors(cfg)
     return errs or _cross(cfg)  # the cross-field rules assume each field in range
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.config import fields
 from launcher.config.fields import All, Elsewhere, Filled, Free, OneOf, Range, Text, knob, section
 from launcher.driver import metric_names as names
 
@@ -212,7 +213,7 @@ class Model:
     size: ParameterCounts = section(ParameterCounts, "not a fact: the memory plan's parameter counts")
 
 
-PEFT_ON = "peft.enabled"
+PEFT_ON = "enabled"
 
 
 @dataclass
@@ -365,7 +366,8 @@ class Reward:
 
 @dataclass
 class Optim:
-    optimizer: str = knob("adam", OneOf(("adam", "sgd")), "Megatron's optimizer")
+    optimizer: str = knob("adam", OneOf(("adam", "sgd"), say="must be adam or sgd, got {value!r}"),
+                          "Megatron's optimizer")
     lr: float = knob(1e-5, Range(0, None, lo_open=True), "peak learning rate")
     min_lr: float = knob(1e-5, Range(0, None), "the learning rate decays to this (at most lr)")
     weight_decay: float = knob(0.0, Range(0, None), "decoupled weight decay")
@@ -497,8 +499,8 @@ class Logging:
 class Retry:
     """`retry:`"""
 
-    max_restarts: int = knob(0, Range(0, 100), "after a failure (a dead actor or node), restart from the latest "
-                                               "checkpoint up to N times")
+    max_restarts: int = knob(0, All((Range(0, None, say="must be 0 or more, got {value}"), Range(None, 100))),
+                             "after a failure (a dead actor or node), restart from the latest checkpoint up to N times")
 
 
 # the sections whose defaults are the schema's alone: conf/config.yaml takes them from here
@@ -543,6 +545,13 @@ def from_dict(cls, d: dict | None, section: str):
 
 # Rules that both the launcher's validation and the workers check (one definition each). They
 # return ConfigErrors; a worker raises ValueError(str(error)) of the first.
+
+
+def field_errors(section: Any, prefix: str = "") -> list[ConfigError]:
+    """Each field of `section` (the Config, or one section with its dotted `prefix`, e.g. 'peft.')
+    that its own check refuses (the check declared on the field), and each float not finite."""
+    return [ConfigError(key, message) for key, message in fields.errors(section, prefix)]
+
 
 
 def train_parallel_errors(train: TrainRole) -> list[ConfigError]:

@@ -183,10 +183,14 @@ def test_a_bad_value_is_refused_naming_the_key(base, key, bad):
 def test_an_accepted_bad_value_would_fail_the_walk(base, monkeypatch):
     """The planted case: with a checker too lax for a bad value (reward.workers allowing 0), that
     value is accepted, so test_a_bad_value_is_refused_naming_the_key would fail on it."""
+    from types import MappingProxyType
+
+    from launcher.config.schema import Reward
+
     leaf = LEAVES["reward.workers"]
     assert bad_values(leaf.check)[0] == 0 and refused(base, leaf.key, 0)
-    lax = dataclasses.replace(leaf, check=Range(0, 1024))
-    monkeypatch.setattr(ranges, "fields", lambda: tuple(lax if x.key == leaf.key else x for x in leaves(Config)))
+    field = next(f for f in dataclasses.fields(Reward) if f.name == "workers")
+    monkeypatch.setattr(field, "metadata", MappingProxyType({**field.metadata, "check": Range(0, 1024)}))
     assert not refused(base, leaf.key, 0)
 
 
