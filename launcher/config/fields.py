@@ -126,7 +126,14 @@ class All:
         return next((m for c in self.checks if (m := c.error(value))), None)
 
     def allowed(self) -> str:
-        return " and ".join(c.allowed() for c in self.checks)
+        """A set among them is the answer; else the bounds of the ranges, joined."""
+        sets = [c for c in self.checks if isinstance(c, OneOf)]
+        if sets:
+            return sets[-1].allowed()
+        ranges = [c for c in self.checks if isinstance(c, Range)]
+        lo = next((r for r in ranges if r.lo is not None), Range())
+        hi = next((r for r in ranges if r.hi is not None), Range())
+        return Range(lo.lo, hi.hi, lo.lo_open, hi.hi_open, all(r.nullable for r in ranges)).allowed()
 
 
 @dataclass(frozen=True)
@@ -252,15 +259,24 @@ def _default(value: Any) -> str:
     return _word(value)
 
 
+def allowed(leaf: Leaf) -> str:
+    """What a leaf allows, in words."""
+    text = leaf.check.allowed() if leaf.check is not None else "true | false"
+    return text + (f" (checked when {leaf.when}=true)" if leaf.when else "")
+
+
+def summary(cls: type, key: str) -> str:
+    """One key in two lines of help: the key and what it allows, then its doc."""
+    leaf = next(x for x in leaves(cls) if x.key == key)
+    return f"  {key:<22}  {allowed(leaf)}\n  {'':<22}  {leaf.doc}"
+
+
 def describe(cls: type, prefix: str = "") -> str:
     """The keys under `prefix` (a section or one key; '' = all): key, type, default, allowed
     values and doc, two lines each. Empty when no key matches."""
     rows = [leaf for leaf in leaves(cls) if not prefix or leaf.key == prefix or leaf.key.startswith(prefix + ".")]
     out = []
     for leaf in rows:
-        allowed = leaf.check.allowed() if leaf.check is not None else "true | false"
-        if leaf.when:
-            allowed += f" (checked when {leaf.when}=true)"
-        out.append(f"  {leaf.key}: {type_word(leaf.type)} = {_default(leaf.default)}    allowed: {allowed}\n"
+        out.append(f"  {leaf.key}: {type_word(leaf.type)} = {_default(leaf.default)}    allowed: {allowed(leaf)}\n"
                    f"      {leaf.doc}")
     return "\n".join(out)

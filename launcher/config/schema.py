@@ -441,7 +441,8 @@ class Run:
     """`run:`; conf/config.yaml names the run after its topology and model."""
 
     name: str = knob("run", Elsewhere("paths.run_name_error", "one path component"),
-                     "the run directory <run.root>/<run.name>")
+                     "the run directory <run.root>/<run.name>; conf/config.yaml's default: <topology>-<model> "
+                     "(with model.path: the checkpoint directory's name)")
     root: str = knob("runs", Elsewhere("paths.path_error", "a path without % patterns or newlines"),
                      "where run directories go; a relative path is taken from the current directory")
     seed: int = knob(1234, Range(0, 2**32 - 1), "seed of the trainers and the sampler")
