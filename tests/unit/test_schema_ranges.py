@@ -24,7 +24,7 @@ import pytest
 from launcher import plan as plan_mod
 from launcher.config import ranges
 from launcher.config.compose import ConfigError, compose
-from launcher.config.fields import All, Elsewhere, Filled, Free, OneOf, Range, Text, knob, leaves
+from launcher.config.fields import All, Elsewhere, Filled, Free, OneOf, Range, Text, knob, leaves, section_docs
 from launcher.config.schema import Config, typed
 from launcher.config.validate import validate
 from launcher.job import sbatch
@@ -125,6 +125,8 @@ def test_every_field_has_a_checker_and_every_table_entry_a_field():
 def test_every_leaf_has_a_one_line_doc():
     bad = [k for k, leaf in LEAVES.items() if not leaf.doc.strip() or "\n" in leaf.doc]
     assert bad == [], f"schema fields without a one-line doc (knob's third argument): {bad}"
+    sections = [k for k, doc in section_docs(Config).items() if not doc.strip()]
+    assert sections == [], f"sections without a doc (section(cls, doc) in schema.py): {sections}"
     assert all(r.check.why for r in LEAVES.values() if isinstance(r.check, Free))
 
 
