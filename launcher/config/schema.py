@@ -424,7 +424,7 @@ class Slurm:
     qos: Optional[str] = knob(None, Text(), "sbatch --qos")
     time_min: int = knob(240, Range(1, None, say="must be at least 1 minute, got {value}"),
                          "the job's time limit in minutes")
-    signal_delay_s: int = knob(120, Elsewhere("validate._checkpointing_and_slurm", "in [0, time_min*60)"),
+    signal_delay_s: int = knob(120, Elsewhere("validate._slurm", "in [0, time_min*60)"),
                                "seconds before the time limit the job is told to checkpoint and requeue")
     max_num_timeout: int = knob(3, Range(0, 1000), "requeues after a time-out at most")
     setup: list[str] = knob([], Elsewhere(SBATCH_RULE, "shell lines that parse"),

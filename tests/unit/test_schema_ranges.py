@@ -122,6 +122,28 @@ def test_every_field_has_a_checker_and_every_table_entry_a_field():
     assert all(isinstance(LEAVES[k].check, Elsewhere) for k in ELSEWHERE), "a key with a checker of its own"
 
 
+def test_every_rule_elsewhere_names_a_function_that_exists():
+    """Elsewhere('validate._model, ...'): each named function is there (launcher.<module>.<name>)."""
+    import importlib
+
+    missing = []
+    for leaf in LEAVES.values():
+        if not isinstance(leaf.check, Elsewhere):
+            continue
+        for where in leaf.check.where.split(" (")[0].split(", "):
+            module, _, name = where.rpartition(".")
+            candidates = [f"launcher.{module}", f"launcher.config.{module}", f"launcher.job.{module}"]
+            found = False
+            for c in candidates:
+                try:
+                    found = found or hasattr(importlib.import_module(c), name)
+                except ImportError:
+                    pass
+            if not found:
+                missing.append(f"{leaf.key}: {where}")
+    assert missing == []
+
+
 def test_every_leaf_has_a_one_line_doc():
     bad = [k for k, leaf in LEAVES.items() if not leaf.doc.strip() or "\n" in leaf.doc]
     assert bad == [], f"schema fields without a one-line doc (knob's third argument): {bad}"
