@@ -1,5 +1,7 @@
 """`python -m launcher [--cfg job|all] [-m] [key=value ...]`: validate, plan, then submit (or run
 here, or only print). `-m` (--multirun) sweeps: one run per point (launcher/sweep.py).
+`--help SECTION|KEY` lists keys with their type, default, allowed values and doc, read from the
+schema (launcher.config.schema declares each on the field).
 
 Any mistake in the config ends here with one line per problem naming the key (exit code 2),
 before anything is written or submitted; in a sweep, before any point is.
@@ -24,7 +26,8 @@ from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
-from launcher.config.schema import typed
+from launcher.config import fields
+from launcher.config.schema import Config, typed
 from launcher.cli import Parser
 from launcher.config.validate import validate
 from launcher.job import run_dir as run_dir_mod
@@ -34,6 +37,7 @@ from launcher.cluster import stop as stop_mod
 HELP = """\
 usage: python -m launcher [--cfg job|all] [-m [--max-points N]] [-q | -v] [group=option ...] [key=value ...]
                           [+resume=step_N|latest|PATH]
+       python -m launcher --help SECTION|KEY ...     the keys: type, default, allowed values, what each does
 
 GRPO post-training with Megatron LoRA trainers and vLLM generators, on this machine or on Slurm.
 
@@ -57,20 +61,35 @@ options:
 config groups (conf/<group>/<option>.yaml):
 {groups}
 
-common keys:
-  dry_run=true            print the placement plan, the resolved config and the sbatch script; touch nothing
-  run.name=NAME           run directory <run.root>/NAME (default <topology>-<model>; with model.path, the
-                          checkpoint directory's name)
-  grpo.max_num_steps=N    refit.mode=merged|merged_delta|adapter    peft.dim=R peft.alpha=A
-  slurm.partition=P slurm.account=A slurm.time_min=M slurm.setup='[module load x]'
+common keys (every key of a section: python -m launcher --help SECTION, e.g. --help grpo.loss):
+{common}
 
 A run directory holds config.yaml (resolved), plan.txt, ray_job.sbatch, logs/, checkpoints/, metrics.
 """
 
 
+# the keys the help names with their docs (launcher.config.schema declares every key's doc)
+COMMON_KEYS = ("dry_run", "run.name", "grpo.max_num_steps", "refit.mode", "peft.dim", "peft.alpha",
+               "slurm.partition", "slurm.account", "slurm.time_min", "slurm.setup")
+
+
 def _help() -> str:
     groups = "\n".join(f"  {g:<14} {', '.join(config_mod.group_options(g))}" for g in config_mod.GROUPS)
-    return HELP.format(groups=groups, max_points=sweep_mod.MAX_POINTS)
+    common = "\n".join(fields.summary(Config, key) for key in COMMON_KEYS)
+    return HELP.format(groups=groups, max_points=sweep_mod.MAX_POINTS, common=common)
+
+
+def _keys_help(prefixes: list[str]) -> str:
+    """`--help SECTION|KEY ...`: each key under them with its type, default, allowed values and doc
+    (from the schema); ConfigError naming a prefix that is no key or section."""
+    out = []
+    for prefix in prefixes:
+        text = fields.describe(Config, prefix)
+        if not text:
+            raise ConfigError(prefix, f"no such key or section; sections: {', '.join(fields.section_docs(Config))}")
+        doc = fields.section_docs(Config).get(prefix)
+        out.append(f"{prefix}:{' ' + doc if doc else ''}\n{text}")
+    return "\n\n".join(out)
 
 
 _log = logs.get(__name__)
@@ -171,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help", "help") for a in argv):
-        print(_help())
+        keys = [a for a in argv if a not in ("-h", "--help", "help") and not a.startswith("-") and "=" not in a]
+        print(_keys_help(keys) if keys else _help())
         return 0
     try:
         opts = _options(argv)

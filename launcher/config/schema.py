@@ -1,17 +1,23 @@
 """Typed schema of the config tree (the YAML files in conf/ hold the values, this holds the types).
 
-`typed(cfg)` merges a composed DictConfig into these dataclasses, so a wrong type
-(`grpo.max_num_steps=abc`) or a misspelt key becomes a ConfigError naming the key. Workers
-receive the plain sections they need (`OmegaConf.to_container(cfg.peft)`), not this module.
+Each key is one line here: its type, its default, what it allows and what it means
+(`knob(default, check, doc)`, launcher.config.fields); launcher.config.ranges runs every field's
+check, launcher.config.validate the rules that tie fields, sections and files together, and
+`python -m launcher --help SECTION` prints the keys from here. `typed(cfg)` merges a composed
+DictConfig into these dataclasses, so a wrong type (`grpo.max_num_steps=abc`) or a misspelt key
+becomes a ConfigError naming the key. Workers receive the plain sections they need
+(`OmegaConf.to_container(cfg.peft)`), not this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.config import fields
+from launcher.config.fields import All, Elsewhere, Filled, Free, OneOf, Range, Text, knob, section
 from launcher.driver import metric_names as names
 
 
@@ -30,39 +36,55 @@ class ConfigError(Exception):
         self.message = message
 
 
+# The checkers' shared shapes: counts of nodes and engines, parallel sizes (at least 1, a size bound), ports
+COUNT = All((Range(1, None), Range(None, 4096)))
+PARALLEL = All((Range(1, None), Range(None, 1024)))
+PORT = Range(1024, 65535)
+DTYPES = ("float32", "bfloat16", "float16")
+LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+JOBS = ("grpo", "placement_smoke", "hold", "preflight")
+
+
 @dataclass
 class TrainRole:
-    nodes: int = 1
-    ranks_per_node: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    context_parallel: int = 1
-    expert_parallel: int = 1
-    expert_tensor_parallel: int = 1
-    sequence_parallel: bool = False
-    micro_batch_size: int = 0   # sequences per forward/backward pass of a trainer rank; 0: its whole shard at once
+    nodes: int = knob(1, COUNT, "nodes that host trainer ranks")
+    ranks_per_node: int = knob(1, PARALLEL, "trainer processes per node (one per GPU on cuda)")
+    tensor_parallel: int = knob(1, PARALLEL, "Megatron tensor parallel size (TP)")
+    pipeline_parallel: int = knob(1, PARALLEL, "Megatron pipeline parallel size (PP)")
+    context_parallel: int = knob(1, PARALLEL, "context parallel size; the trainer does not split sequences yet: 1")
+    expert_parallel: int = knob(1, PARALLEL, "expert parallel size (EP) of an MoE model; 1 for a dense one")
+    expert_tensor_parallel: int = knob(1, PARALLEL, "tensor parallel size inside the experts (ETP)")
+    sequence_parallel: bool = knob(False, None, "Megatron sequence parallelism (needs tensor_parallel > 1)")
+    micro_batch_size: int = knob(0, Range(0, 1 << 16), "sequences per forward/backward pass of a trainer rank; "
+                                                       "0: its whole shard at once")
 
 
 @dataclass
 class GenerationRole:
-    nodes: int = 1
-    ranks_per_node: int = 1
-    engines: int = 1
-    tensor_parallel: int = 1
+    nodes: int = knob(1, COUNT, "nodes that host vLLM workers")
+    ranks_per_node: int = knob(1, PARALLEL, "vLLM workers per node (one per GPU on cuda)")
+    engines: int = knob(1, COUNT, "vLLM engines; engines x tensor_parallel = the vLLM workers")
+    tensor_parallel: int = knob(1, PARALLEL, "vLLM tensor parallel size of one engine (1 on cpu)")
 
 
 @dataclass
 class Topology:
-    name: str = "local"
-    executor: str = "local"
-    device: str = "cpu"
-    nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_node: Optional[int] = None
-    colocate_roles: bool = False
-    gpu_memory_gib: float = 184.0   # per GPU, for the memory plan (launcher.memory); GB200: 186 GB, CUDA reports ~185 GiB
-    train: TrainRole = field(default_factory=TrainRole)
-    generation: GenerationRole = field(default_factory=GenerationRole)
+    name: str = knob("local", Text(nullable=False), "the topology's name (conf/topology/<name>.yaml)")
+    executor: str = knob("local", OneOf(("local", "slurm"), say="must be local or slurm, got {value!r}"),
+                         "local: this machine, in this process; slurm: one sbatch job")
+    device: str = knob("cpu", OneOf(("cpu", "cuda"), say="must be cpu or cuda, got {value!r}"),
+                       "what the trainers and vLLM run on")
+    nodes: int = knob(1, COUNT, "nodes of the job: train.nodes + generation.nodes (1 for the local executor)")
+    gpus_per_node: int = knob(0, Range(0, 1024), "GPUs (Slurm GRES) requested per node; 0: none")
+    cpus_per_node: Optional[int] = knob(None, Range(1, 65536, nullable=True),
+                                        "Slurm --cpus-per-task; null: Slurm's default")
+    colocate_roles: bool = knob(False, None, "both roles on one node (nodes = train.nodes = generation.nodes = 1)")
+    gpu_memory_gib: float = knob(184.0, Range(1, None), "memory per GPU for the memory plan (launcher.memory); "
+                                                        "GB200: 186 GB, CUDA reports ~185 GiB")
+    train: TrainRole = section(TrainRole, "the Megatron trainers' nodes and parallel layout")
+    generation: GenerationRole = section(GenerationRole, "the vLLM generators' nodes and engines")
+
 
 
 # Model families (HF model_type) and the Megatron module paths inside decoder.layers.N that LoRA
@@ -134,10 +156,17 @@ class ParameterCounts:
     """`model.size`: what the memory plan (launcher.memory) reads when the checkpoint is not on this
     machine (a dry run for a cluster); with model.path here its safetensors headers say it all."""
 
-    parameters: Optional[int] = None          # every weight
-    expert_parameters: Optional[int] = None   # of which routed experts
-    moe_layers: Optional[int] = None          # layers with routed experts (null: num_layers when there are experts)
-    attention_layers: Optional[int] = None    # layers with a KV cache (null: num_layers)
+    parameters: Optional[int] = knob(None, Range(1, None, nullable=True), "every weight of the model")
+    expert_parameters: Optional[int] = knob(None, Range(0, None, nullable=True), "of which routed experts")
+    moe_layers: Optional[int] = knob(None, Range(1, 100_000, nullable=True),
+                                     "layers with routed experts; null: num_layers when there are experts")
+    attention_layers: Optional[int] = knob(None, Range(0, 100_000, nullable=True),
+                                           "layers with a KV cache; null: num_layers")
+
+
+# the model's facts (launcher.config.model_facts): null where a dry run could not read the checkpoint
+FACT = "a fact of the model, resolved from config.json or the built-in recipe"
+YES_NO = OneOf((True, False), nullable=True)
 
 
 @dataclass
@@ -147,154 +176,213 @@ class Model:
     config.yaml holds them; a value stated in conf/ or on the command line serves only a dry run
     for a checkpoint that is not on this machine (it is noted and replaced where one is)."""
 
-    name: str = "tiny_llama"          # with model.path: the checkpoint directory's name
-    path: Optional[str] = None
-    builtin: Optional[str] = None
-    dtype: str = "float32"
-    family: Optional[str] = None
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_query_groups: Optional[int] = None
-    head_dim: Optional[int] = None
-    num_experts: Optional[int] = None
-    moe_router_topk: Optional[int] = None   # experts per token (0: dense)
-    ffn_hidden_size: Optional[int] = None
-    moe_ffn_hidden_size: Optional[int] = None
-    tie_word_embeddings: Optional[bool] = None
-    qkv_bias: Optional[bool] = None
-    qk_norm: Optional[bool] = None
-    rope_theta: Optional[float] = None
-    rope_scaling: dict[str, Any] = field(default_factory=dict)   # {}: plain RoPE
-    max_position_embeddings: Optional[int] = None
-    family_facts: dict[str, Any] = field(default_factory=dict)
-    facts_from: Optional[str] = None        # <model.path>/config.json | builtin:<recipe> | null: not resolved
-    size: ParameterCounts = field(default_factory=ParameterCounts)   # not a fact: the memory plan's counts
+    name: str = knob("tiny_llama", Text(nullable=False), "the model's name; with model.path: the checkpoint "
+                                                         "directory's name")
+    path: Optional[str] = knob(None, Elsewhere("paths.path_error, validate._model_dir", "a HF checkpoint directory "
+                                               "(config.json, safetensors, tokenizer) or null"),
+                               "the Hugging Face checkpoint to train; null: the built-in recipe model.builtin")
+    builtin: Optional[str] = knob(None, Elsewhere("validate._model", "a built-in recipe when model.path is null"),
+                                  "the built-in recipe built with random weights (workers.tiny_models)")
+    dtype: str = knob("float32", OneOf(DTYPES), "the weights' dtype in the trainers")
+    family: Optional[str] = knob(None, Elsewhere("validate._model", "a family Megatron-Bridge and the LoRA "
+                                                 "layout know"), "HF model_type (llama, qwen3_moe, nemotron_h, ...)")
+    num_layers: Optional[int] = knob(None, Range(1, 100_000, nullable=True), f"decoder layers; {FACT}")
+    hidden_size: Optional[int] = knob(None, Range(1, 1_000_000, nullable=True), f"hidden width; {FACT}")
+    num_attention_heads: Optional[int] = knob(None, Range(1, 100_000, nullable=True), f"query heads; {FACT}")
+    num_query_groups: Optional[int] = knob(None, Range(1, 100_000, nullable=True),
+                                           f"key/value heads (GQA groups); {FACT}")
+    head_dim: Optional[int] = knob(None, Range(1, 100_000, nullable=True), f"width of one head; {FACT}")
+    num_experts: Optional[int] = knob(None, Range(0, 100_000, nullable=True), f"routed experts (0: dense); {FACT}")
+    moe_router_topk: Optional[int] = knob(None, Range(0, 100_000, nullable=True),
+                                          f"experts per token (0: dense); {FACT}")
+    ffn_hidden_size: Optional[int] = knob(None, Range(0, 10_000_000, nullable=True), f"MLP width; {FACT}")
+    moe_ffn_hidden_size: Optional[int] = knob(None, Range(0, 10_000_000, nullable=True),
+                                              f"one expert's MLP width; {FACT}")
+    tie_word_embeddings: Optional[bool] = knob(None, YES_NO, f"output layer shares the embedding; {FACT}")
+    qkv_bias: Optional[bool] = knob(None, YES_NO, f"biases on q/k/v (Qwen2); {FACT}")
+    qk_norm: Optional[bool] = knob(None, YES_NO, f"RMSNorm of q and k per head (Qwen3); {FACT}")
+    rope_theta: Optional[float] = knob(None, Range(0, None, lo_open=True, nullable=True), f"RoPE base; {FACT}")
+    rope_scaling: dict[str, Any] = knob({}, Elsewhere("model_rules.errors", "a RoPE scaling the trainer and vLLM "
+                                                      "both apply"), f"RoPE scaling ({{}}: plain RoPE); {FACT}")
+    max_position_embeddings: Optional[int] = knob(None, Range(1, None, nullable=True),
+                                                  f"longest sequence the model was built for; {FACT}")
+    family_facts: dict[str, Any] = knob({}, Elsewhere("model_rules.errors", "facts of the family the stack "
+                                                      "supports"), f"facts only a family has (Mamba heads, ...); {FACT}")
+    facts_from: Optional[str] = knob(None, Free("where the facts came from, written by launcher.config.model_facts"),
+                                     "<model.path>/config.json | builtin:<recipe> | null: not resolved")
+    size: ParameterCounts = section(ParameterCounts, "not a fact: the memory plan's parameter counts")
+
+
+PEFT_ON = "enabled"
 
 
 @dataclass
 class Peft:
-    enabled: bool = True
-    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj"])
-    dim: int = 16
-    alpha: float = 32
-    dropout: float = 0.0
-    dropout_position: str = "post"
-    lora_A_init_method: str = "xavier"
-    lora_B_init_method: str = "zero"
-    lora_dtype: Optional[str] = None
-    freeze_moe_router: bool = False
+    enabled: bool = knob(True, None, "train LoRA adapters (false: full fine-tuning, conf/peft/none.yaml)")
+    target_modules: list[str] = knob(["linear_qkv", "linear_proj"],
+                                     Filled(say="is empty: name at least one module, e.g. [linear_qkv]"),
+                                     "modules LoRA wraps: a Megatron name (linear_qkv) or a pattern "
+                                     "(decoder.layers.*.mlp.linear_fc1); validate checks they exist", when=PEFT_ON)
+    dim: int = knob(16, Range(1, None, say="LoRA rank must be at least 1, got {value}"), "LoRA rank", when=PEFT_ON)
+    alpha: float = knob(32, Range(0, None, lo_open=True, say="must be positive, got {value}"),
+                        "LoRA alpha: the adapter's output is scaled by alpha / dim", when=PEFT_ON)
+    dropout: float = knob(0.0, Range(0, 1, hi_open=True), "dropout on the LoRA path", when=PEFT_ON)
+    dropout_position: str = knob("post", OneOf(("pre", "post"), say="must be pre or post, got {value!r}"),
+                                 "dropout before the adapter's A or after its B (Megatron-Bridge)", when=PEFT_ON)
+    lora_A_init_method: str = knob("xavier", OneOf(LORA_INITS), "initialisation of LoRA's A", when=PEFT_ON)
+    lora_B_init_method: str = knob("zero", OneOf(LORA_INITS), "initialisation of LoRA's B (zero: the adapter "
+                                                              "starts as the identity)", when=PEFT_ON)
+    lora_dtype: Optional[str] = knob(None, OneOf(DTYPES, nullable=True, say="must be null or one of "
+                                                 f"{', '.join(DTYPES)}, got {{value!r}}"),
+                                     "dtype of the LoRA weights; null: the model's", when=PEFT_ON)
+    freeze_moe_router: bool = knob(False, None, "keep an MoE router's weights fixed (full fine-tuning)")
 
 
 @dataclass
 class RewardScaling:
-    enabled: bool = True
-    source_min: float = 0.0
-    source_max: float = 1.0
-    target_min: float = -1.0
-    target_max: float = 1.0
+    enabled: bool = knob(True, None, "map scores linearly from [source_min, source_max] to [target_min, target_max]")
+    source_min: float = knob(0.0, Elsewhere("ranges._cross", "below source_max"), "the lowest score reward.fn gives")
+    source_max: float = knob(1.0, Elsewhere("ranges._cross", "above source_min"), "the highest score reward.fn gives")
+    target_min: float = knob(-1.0, Elsewhere("ranges._cross", "below target_max"), "what source_min becomes")
+    target_max: float = knob(1.0, Elsewhere("ranges._cross", "above target_min"), "what source_max becomes")
+
+
+LOSS_RULE = "schema.loss_errors (the trainer checks it too)"
 
 
 @dataclass
 class Loss:
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.28
-    ratio_clip_c: Optional[float] = 10.0
-    reference_policy_kl_penalty: float = 0.0
-    # k3 to the reference: log(ref/pi) clamped to +-kl_input_clamp_value, k3 to +-kl_output_clamp_value
-    # (NeMo RL's and verl's 20 and 10); null: unclamped
-    kl_input_clamp_value: Optional[float] = 20.0
-    kl_output_clamp_value: Optional[float] = 10.0
-    truncated_importance_sampling_ratio: Optional[float] = 5.0
-    token_level_loss: bool = True
+    ratio_clip_min: float = knob(0.2, Elsewhere(LOSS_RULE, ">= 0"), "PPO clip: the ratio is kept above 1 - this")
+    ratio_clip_max: float = knob(0.28, Elsewhere(LOSS_RULE, ">= 0"), "PPO clip: the ratio is kept below 1 + this "
+                                                                     "(DAPO's clip-higher when above ratio_clip_min)")
+    ratio_clip_c: Optional[float] = knob(10.0, Elsewhere(LOSS_RULE, "> 1 or null"),
+                                         "dual clip of negative advantages' ratio; null: off")
+    reference_policy_kl_penalty: float = knob(0.0, Range(0, None), "weight of the k3 KL to the reference policy "
+                                                                   "(the base model without LoRA); 0: off")
+    kl_input_clamp_value: Optional[float] = knob(20.0, Elsewhere(LOSS_RULE, "> 0 or null"),
+                                                 "log(ref/pi) clamped to +-this before k3 (NeMo RL's and verl's 20); "
+                                                 "null: unclamped")
+    kl_output_clamp_value: Optional[float] = knob(10.0, Elsewhere(LOSS_RULE, "> 0 or null"),
+                                                  "k3 clamped to +-this (NeMo RL's and verl's 10); null: unclamped")
+    truncated_importance_sampling_ratio: Optional[float] = knob(5.0, Elsewhere(LOSS_RULE, "> 0 or null"),
+                                                                "cap of the trainer/generator importance weight; "
+                                                                "null: no correction")
+    token_level_loss: bool = knob(True, None, "average the loss over tokens (false: over sequences)")
 
 
 @dataclass
 class DynamicSampling:
-    enabled: bool = False          # DAPO: drop prompt groups whose scores are all equal, sample more
-    max_gen_batches: int = 4       # rounds of num_prompts_per_step prompts per step at most
-    # what "all equal" is judged on (never the overlong penalty): reward (reward.fn's score, NeMo RL's
-    # raw reward) | accuracy (whether each sample scored >= 1, verl's DAPO `acc`)
-    metric: str = "reward"
+    enabled: bool = knob(False, None, "DAPO: drop prompt groups whose scores are all equal, sample more")
+    max_gen_batches: int = knob(4, Range(1, None), "rounds of num_prompts_per_step prompts per step at most")
+    metric: str = knob("reward", OneOf(("reward", "accuracy")),
+                       "what 'all equal' is judged on (never the overlong penalty): reward (reward.fn's score) "
+                       "| accuracy (whether each sample scored >= 1, verl's DAPO acc)")
 
 
 @dataclass
 class OverlongPenalty:
-    enabled: bool = False               # DAPO soft overlong punishment over the last buffer_tokens
-    buffer_tokens: Optional[int] = None  # null: max_new_tokens // 4
-    max_penalty: float = 1.0
+    enabled: bool = knob(False, None, "DAPO soft overlong punishment over the last buffer_tokens")
+    buffer_tokens: Optional[int] = knob(None, Elsewhere("validate._grpo_sampling", "in [1, grpo.max_new_tokens] "
+                                                        "or null"), "length of the penalised tail; null: "
+                                                                    "max_new_tokens // 4")
+    max_penalty: float = knob(1.0, Range(0, None, say="must be 0 or more, got {value}"),
+                              "the penalty at max_new_tokens")
 
 
 @dataclass
 class Pipeline:
     """Generation of the next steps while the trainers train (launcher.driver.pipeline)."""
 
-    enabled: bool = False          # the rollout of step N generated with the weights after step N-1-max_lag
-    max_lag: int = 1               # weight versions between the generating and the training weights
+    enabled: bool = knob(False, None, "generate step N's rollout with the weights after step N-1-max_lag")
+    max_lag: int = knob(1, Range(1, 16), "weight versions between the generating and the training weights (each "
+                                         "keeps one copy of the weights in flight; 0: set enabled=false)")
+
+
+TOP_P_BIAS = ("must be 1.0, got {value}: the trainer's logprobs do not apply vLLM's top-p truncation, so the "
+              "gradient would be biased (lower grpo.temperature to sharpen sampling)")
 
 
 @dataclass
 class Grpo:
-    max_num_steps: int = 10
-    num_prompts_per_step: int = 8
-    num_generations_per_prompt: int = 2
-    max_new_tokens: int = 16
-    max_total_sequence_length: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    normalize_rewards: bool = True
-    use_leave_one_out_baseline: bool = False
-    advantage_clip: Optional[float] = 50.0
-    reward_scaling: RewardScaling = field(default_factory=RewardScaling)
-    loss: Loss = field(default_factory=Loss)
-    val_period: int = 0                      # validate every N steps (0: never)
-    val_at_start: bool = False
-    val_max_examples: Optional[int] = None
-    dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
-    overlong_penalty: OverlongPenalty = field(default_factory=OverlongPenalty)
-    pipeline: Pipeline = field(default_factory=Pipeline)
+    max_num_steps: int = knob(10, Range(1, None), "training steps of the run")
+    num_prompts_per_step: int = knob(8, Range(1, None), "prompts per step (x generations: the step's batch)")
+    num_generations_per_prompt: int = knob(2, Range(2, None), "samples per prompt, the group whose rewards are "
+                                                              "compared (one: every advantage is 0)")
+    max_new_tokens: int = knob(16, Range(1, None), "the most tokens generated per sample")
+    max_total_sequence_length: int = knob(512, Elsewhere("validate._refit_and_vllm", "more than max_new_tokens"),
+                                          "prompt + response tokens at most")
+    temperature: float = knob(1.0, Range(0, None, lo_open=True, say="must be positive (GRPO samples), got {value}"),
+                              "sampling temperature; the trainer's logprobs use the same")
+    top_p: float = knob(1.0, All((Range(0, 1, lo_open=True), OneOf((1.0,), say=TOP_P_BIAS))),
+                        "nucleus sampling; only 1.0 (the trainer's logprobs do not apply a truncation)")
+    normalize_rewards: bool = knob(True, None, "divide each group's advantages by its reward std")
+    use_leave_one_out_baseline: bool = knob(False, None, "baseline of a sample: its group's mean without it")
+    advantage_clip: Optional[float] = knob(50.0, Range(0, None, lo_open=True, nullable=True),
+                                           "advantages clipped to +-this; null: unclipped")
+    reward_scaling: RewardScaling = section(RewardScaling, "a linear map of reward.fn's scores")
+    loss: Loss = section(Loss, "the clipped GRPO loss (workers.trainer.loss)")
+    val_period: int = knob(0, Range(0, None, say="must be 0 (off) or a number of steps, got {value}"),
+                           "validate every N steps (0: never)")
+    val_at_start: bool = knob(False, None, "validate once before the first step")
+    val_max_examples: Optional[int] = knob(None, Range(1, None, nullable=True),
+                                           "validation examples at most; null: all of data.validation")
+    dynamic_sampling: DynamicSampling = section(DynamicSampling, "DAPO dynamic sampling")
+    overlong_penalty: OverlongPenalty = section(OverlongPenalty, "DAPO overlong reward shaping")
+    pipeline: Pipeline = section(Pipeline, "generation of the next steps while the trainers train")
 
 
 @dataclass
 class Data:
     """Prompts: a built-in set or a .jsonl/.json/.parquet/.csv file (launcher.driver.data)."""
 
-    train: str = "say_number"
-    validation: Optional[str] = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    messages_key: Optional[str] = None
-    system_prompt: Optional[str] = None
-    max_prompt_tokens: Optional[int] = None   # null: max_total_sequence_length - max_new_tokens
-    chat_template: str = "auto"               # auto | none
-    seed: int = 0
+    train: str = knob("say_number", Elsewhere("driver.data.check", "a built-in set or a .jsonl/.json/.parquet/.csv "
+                                              "file"), "the training prompts")
+    validation: Optional[str] = knob(None, Elsewhere("driver.data.check", "like data.train, or null"),
+                                     "the validation prompts; null: no validation")
+    prompt_key: str = knob("prompt", Text(nullable=False), "the field of a record that holds the prompt")
+    answer_key: str = knob("answer", Text(nullable=False), "the field the built-in rewards compare with")
+    messages_key: Optional[str] = knob(None, Text(), "a field of chat messages to use instead of prompt_key")
+    system_prompt: Optional[str] = knob(None, Free("any text, several lines allowed: it is sent to the model, never "
+                                                   "to a shell"), "a system message put before each prompt")
+    max_prompt_tokens: Optional[int] = knob(None, Range(1, None, nullable=True),
+                                            "longer prompts are skipped; null: max_total_sequence_length - "
+                                            "max_new_tokens")
+    chat_template: str = knob("auto", OneOf(("auto", "none"), say="must be auto or none, got {value!r}"),
+                              "auto: the tokenizer's chat template when it has one; none: the raw prompt")
+    seed: int = knob(0, Range(0, 2**32 - 1), "seed of the per-epoch shuffle of the prompts")
 
 
 @dataclass
 class Reward:
     """fn(response: str, example: dict) -> float (launcher.driver.rewards)."""
 
-    fn: str = "say_number"
-    timeout_s: float = 10.0
-    workers: int = 2                          # reward processes
-    on_error: str = "zero"                    # zero | fail
+    fn: str = knob("say_number", Elsewhere("driver.rewards.check", "a built-in reward or module:function / "
+                                           "file.py:function"), "the reward function")
+    timeout_s: float = knob(10.0, Range(0, 86400, lo_open=True), "seconds one reward call may take")
+    workers: int = knob(2, Range(1, 1024), "reward processes")
+    on_error: str = knob("zero", OneOf(("zero", "fail"), say="must be zero or fail, got {value!r}"),
+                         "a reward call that raises or times out: score 0, or fail the run")
 
 
 @dataclass
 class Optim:
-    optimizer: str = "adam"
-    lr: float = 1e-5
-    min_lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_iters: Optional[int] = None
-    override_opt_param_scheduler: bool = False
-    use_distributed_optimizer: Any = "auto"
+    optimizer: str = knob("adam", OneOf(("adam", "sgd"), say="must be adam or sgd, got {value!r}"),
+                          "Megatron's optimizer")
+    lr: float = knob(1e-5, Range(0, None, lo_open=True), "peak learning rate")
+    min_lr: float = knob(1e-5, Range(0, None), "the learning rate decays to this (at most lr)")
+    weight_decay: float = knob(0.0, Range(0, None), "decoupled weight decay")
+    adam_beta1: float = knob(0.9, Range(0, 1, hi_open=True), "Adam's beta1")
+    adam_beta2: float = knob(0.999, Range(0, 1, hi_open=True), "Adam's beta2")
+    adam_eps: float = knob(1e-8, Range(0, None, lo_open=True), "Adam's epsilon")
+    clip_grad: float = knob(1.0, Range(0, None), "gradient norm clip (0: off)")
+    lr_warmup_iters: int = knob(0, Range(0, None), "steps of linear warm-up")
+    lr_decay_style: str = knob("constant", OneOf(("constant", "linear", "cosine", "inverse-square-root", "WSD")),
+                               "Megatron's learning-rate schedule")
+    lr_decay_iters: Optional[int] = knob(None, Range(1, None, nullable=True),
+                                         "steps of the decay; null: grpo.max_num_steps")
+    override_opt_param_scheduler: bool = knob(False, None, "on resume, this run's schedule instead of the saved one")
+    use_distributed_optimizer: Any = knob("auto", OneOf(("auto", True, False)),
+                                          "Megatron's distributed optimizer; auto: on cuda, not on cpu")
 
 
 REFIT_MODES = ("merged", "merged_delta", "adapter")  # workers.refit.wire documents each
@@ -303,48 +391,65 @@ REFIT_TRANSPORTS = ("auto", "ray", "gloo", "nccl")   # auto: nccl on cuda, ray o
 
 @dataclass
 class Refit:
-    mode: str = "merged"
-    bucket_mb: int = 256
-    transport: str = "auto"
-    timeout_s: float = 600.0   # the broadcast group's collectives (trainer rank 0 and every vLLM worker)
+    mode: str = knob("merged", OneOf(REFIT_MODES), "what the trainers send vLLM after each step: merged weights, "
+                                                   "their change, or the LoRA adapter (workers.refit.wire)")
+    bucket_mb: int = knob(256, Range(1, None), "MiB per transfer bucket")
+    transport: str = knob("auto", OneOf(REFIT_TRANSPORTS), "auto: nccl on cuda, ray on cpu "
+                                                           "(workers.refit.control)")
+    timeout_s: float = knob(600.0, Range(1, None), "seconds the broadcast group's collectives may take (trainer "
+                                                   "rank 0 and every vLLM worker)")
 
 
 @dataclass
 class Checkpointing:
-    enabled: bool = True
-    dir: Optional[str] = None
-    save_period: int = 5
-    keep_top_k: Optional[int] = 1
-    metric_name: str = names.REWARD
-    higher_is_better: bool = True
+    enabled: bool = knob(True, None, "save checkpoints (LoRA adapters and optimizer state)")
+    dir: Optional[str] = knob(None, Elsewhere("paths.path_error", "a path without % patterns or newlines, or null"),
+                              "where checkpoints go; null: <run dir>/checkpoints")
+    save_period: int = knob(5, Range(1, None), "save every N steps")
+    keep_top_k: Optional[int] = knob(1, Range(1, None, nullable=True, say="must be at least 1 or null (keep all), "
+                                                                          "got {value}"),
+                                     "checkpoints kept, the best by metric_name (the latest is kept too); "
+                                     "null: all")
+    metric_name: str = knob(names.REWARD, OneOf(names.RANKABLE), "the step metric that ranks checkpoints")
+    higher_is_better: bool = knob(True, None, "whether a higher metric_name is better")
+
+
+SBATCH_RULE = "job.sbatch.job_spec"
 
 
 @dataclass
 class Slurm:
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    time_min: int = 240
-    signal_delay_s: int = 120
-    max_num_timeout: int = 3
-    setup: list[str] = field(default_factory=list)
-    container_image: Optional[str] = None
-    container_mounts: Optional[str] = None
-    extra_sbatch: dict[str, Any] = field(default_factory=dict)
-    python: Optional[str] = None
+    partition: Optional[str] = knob(None, Text(), "sbatch --partition; null: the cluster's default")
+    account: Optional[str] = knob(None, Text(), "sbatch --account")
+    qos: Optional[str] = knob(None, Text(), "sbatch --qos")
+    time_min: int = knob(240, Range(1, None, say="must be at least 1 minute, got {value}"),
+                         "the job's time limit in minutes")
+    signal_delay_s: int = knob(120, Elsewhere("validate._slurm", "in [0, time_min*60)"),
+                               "seconds before the time limit the job is told to checkpoint and requeue")
+    max_num_timeout: int = knob(3, Range(0, 1000), "requeues after a time-out at most")
+    setup: list[str] = knob([], Elsewhere(SBATCH_RULE, "shell lines that parse"),
+                            "shell lines run on every node before Ray starts (module load ...)")
+    container_image: Optional[str] = knob(None, Text(), "pyxis --container-image; null: no container")
+    container_mounts: Optional[str] = knob(None, Text(), "pyxis --container-mounts")
+    extra_sbatch: dict[str, Any] = knob({}, Elsewhere(SBATCH_RULE, "sbatch long options the launcher does not set "
+                                                      "itself"), "more sbatch options: {option: value}")
+    python: Optional[str] = knob(None, Text(), "the python on the nodes; null: this one (sys.executable)")
 
 
 @dataclass
 class Run:
     """`run:`; conf/config.yaml names the run after its topology and model."""
 
-    name: str = "run"
-    root: str = "runs"                # relative paths are taken from the current directory
-    seed: int = 1234
-    # grpo | preflight (check nodes, GPUs, paths, network first) | placement_smoke (check the
-    # cluster) | hold (keep the cluster up to attach to)
-    job: str = "grpo"
-    shared_with_group: bool = False   # true: the run directory is readable by your group (0750/0640); else 0700/0600
+    name: str = knob("run", Elsewhere("paths.run_name_error", "one path component"),
+                     "the run directory <run.root>/<run.name>; conf/config.yaml's default: <topology>-<model> "
+                     "(with model.path: the checkpoint directory's name)")
+    root: str = knob("runs", Elsewhere("paths.path_error", "a path without % patterns or newlines"),
+                     "where run directories go; a relative path is taken from the current directory")
+    seed: int = knob(1234, Range(0, 2**32 - 1), "seed of the trainers and the sampler")
+    job: str = knob("grpo", OneOf(JOBS), "grpo | preflight (check nodes, GPUs, paths, network first) | "
+                                         "placement_smoke (check the cluster) | hold (keep the cluster up to attach to)")
+    shared_with_group: bool = knob(False, None, "true: the run directory is readable by your group (0750/0640); "
+                                                "else 0700/0600")
 
 
 @dataclass
@@ -352,45 +457,51 @@ class Vllm:
     """`vllm:`; also the defaults of workers.generator.actor.GeneratorConfig (it inherits these
     fields). conf/config.yaml sets dtype and max_model_len from model.dtype and grpo."""
 
-    dtype: str = "float32"
-    max_model_len: int = 512
-    enforce_eager: bool = True
-    # GPU only: vLLM's share of a GPU (weights, activations, KV cache). The rest holds what refit allocates
-    # once the KV cache exists (buckets, one layer's weights in a merged refit): launcher.memory plans both
-    gpu_memory_utilization: float = 0.8
-    kv_cache_memory_bytes: int = 64 * 2**20   # CPU only: a small KV cache, a fast start
-    max_lora_rank: int = 16                   # refit.mode=adapter; vLLM allows 1,8,16,32,64,128,256,320,512
+    dtype: str = knob("float32", OneOf(DTYPES), "vLLM's dtype")
+    max_model_len: int = knob(512, Range(1, None), "vLLM's context length (at least grpo.max_total_sequence_length)")
+    enforce_eager: bool = knob(True, None, "no CUDA graphs")
+    gpu_memory_utilization: float = knob(0.8, Range(0, 1, lo_open=True),
+                                         "GPU only: vLLM's share of a GPU (weights, activations, KV cache); the rest "
+                                         "holds what refit allocates (launcher.memory plans both)")
+    kv_cache_memory_bytes: int = knob(64 * 2**20, Range(2**20, None), "CPU only: a small KV cache, a fast start")
+    max_lora_rank: int = knob(16, OneOf(VLLM_LORA_RANKS, say=f"vLLM allows {', '.join(map(str, VLLM_LORA_RANKS))}; "
+                                                             "got {value}"),
+                              "refit.mode=adapter: the largest LoRA rank vLLM serves (at least peft.dim)")
 
 
 @dataclass
 class RayCfg:
     """`ray:`"""
 
-    port: int = 6379                  # GCS port on the head node
-    node_manager_port: int = 6800     # pinned so firewalls can be opened once
-    object_manager_port: int = 6801
-    min_worker_port: int = 10002
-    max_worker_port: int = 10999
-    object_store_mb: int = 256        # per node
-    register_timeout_s: float = 120.0  # the driver fails, naming the missing nodes, when no further node registered for this long
-    join_retries: int = 3
-    join_jitter_s: float = 10.0       # a worker retries a refused `ray start` after a random delay below this
+    port: int = knob(6379, PORT, "GCS port on the head node")
+    node_manager_port: int = knob(6800, PORT, "pinned so firewalls can be opened once")
+    object_manager_port: int = knob(6801, PORT, "pinned so firewalls can be opened once")
+    min_worker_port: int = knob(10002, PORT, "lowest port of Ray's workers")
+    max_worker_port: int = knob(10999, PORT, "highest port of Ray's workers")
+    object_store_mb: int = knob(256, Range(75, None), "object store per node (Ray refuses one under 75 MiB)")
+    register_timeout_s: float = knob(120.0, Range(0, None, lo_open=True),
+                                     "the driver fails, naming the missing nodes, when no further node registered "
+                                     "for this long")
+    join_retries: int = knob(3, Range(1, 100), "attempts of a worker node's `ray start`")
+    join_jitter_s: float = knob(10.0, Range(0, 600), "a worker retries a refused `ray start` after a random delay "
+                                                     "below this")
 
 
 @dataclass
 class Logging:
     """`logging:`"""
 
-    tensorboard: bool = True               # <run dir>/tensorboard
-    wandb_project: Optional[str] = None    # set to log to Weights & Biases too (pip install wandb)
-    wandb_entity: Optional[str] = None
+    tensorboard: bool = knob(True, None, "write <run dir>/tensorboard")
+    wandb_project: Optional[str] = knob(None, Text(), "set to log to Weights & Biases too (pip install wandb)")
+    wandb_entity: Optional[str] = knob(None, Text(), "the Weights & Biases entity (team)")
 
 
 @dataclass
 class Retry:
     """`retry:`"""
 
-    max_restarts: int = 0   # after a failure (a dead actor or node), restart from the latest checkpoint up to N times
+    max_restarts: int = knob(0, All((Range(0, None, say="must be 0 or more, got {value}"), Range(None, 100))),
+                             "after a failure (a dead actor or node), restart from the latest checkpoint up to N times")
 
 
 # the sections whose defaults are the schema's alone: conf/config.yaml takes them from here
@@ -400,24 +511,26 @@ SCHEMA_SECTIONS = {"run": Run, "vllm": Vllm, "ray": RayCfg, "retry": Retry, "log
 
 @dataclass
 class Config:
-    topology: Topology = field(default_factory=Topology)
-    model: Model = field(default_factory=Model)
-    peft: Peft = field(default_factory=Peft)
-    grpo: Grpo = field(default_factory=Grpo)
-    data: Data = field(default_factory=Data)
-    reward: Reward = field(default_factory=Reward)
-    optim: Optim = field(default_factory=Optim)
-    refit: Refit = field(default_factory=Refit)
-    checkpointing: Checkpointing = field(default_factory=Checkpointing)
-    slurm: Slurm = field(default_factory=Slurm)
-    run: Run = field(default_factory=Run)
-    vllm: Vllm = field(default_factory=Vllm)
-    ray: RayCfg = field(default_factory=RayCfg)
-    logging: Logging = field(default_factory=Logging)
-    retry: Retry = field(default_factory=Retry)
-    dry_run: bool = False
-    submit: bool = True
-    resume: Optional[str] = None   # added by +resume=...
+    topology: Topology = section(Topology, "nodes, devices and the roles' parallel layout (conf/topology)")
+    model: Model = section(Model, "the model and its facts (conf/model)")
+    peft: Peft = section(Peft, "the LoRA adapters (conf/peft)")
+    grpo: Grpo = section(Grpo, "the GRPO algorithm (conf/grpo)")
+    data: Data = section(Data, "the prompts (conf/data)")
+    reward: Reward = section(Reward, "the reward function (conf/reward)")
+    optim: Optim = section(Optim, "the optimizer and its schedule (conf/optim)")
+    refit: Refit = section(Refit, "the weight transfer trainer -> vLLM (conf/refit)")
+    checkpointing: Checkpointing = section(Checkpointing, "checkpoints and their retention (conf/checkpointing)")
+    slurm: Slurm = section(Slurm, "the sbatch job (conf/slurm)")
+    run: Run = section(Run, "the run's name, directory and job")
+    vllm: Vllm = section(Vllm, "the vLLM engines")
+    ray: RayCfg = section(RayCfg, "the Ray cluster's ports and joining")
+    logging: Logging = section(Logging, "TensorBoard and Weights & Biases")
+    retry: Retry = section(Retry, "restarts after a failure")
+    dry_run: bool = knob(False, None, "print the placement plan, the resolved config and the sbatch script; touch "
+                                      "nothing")
+    submit: bool = knob(True, None, "false: write the run directory, run or submit nothing")
+    resume: Optional[str] = knob(None, Elsewhere("paths.path_error, run_dir.prepare", "step_N | latest | a "
+                                                 "checkpoint path"), "continue from a checkpoint (+resume=...)")
 
 
 def from_dict(cls, d: dict | None, section: str):
@@ -433,6 +546,13 @@ def from_dict(cls, d: dict | None, section: str):
 
 # Rules that both the launcher's validation and the workers check (one definition each). They
 # return ConfigErrors; a worker raises ValueError(str(error)) of the first.
+
+
+def field_errors(section: Any, prefix: str = "") -> list[ConfigError]:
+    """Each field of `section` (the Config, or one section with its dotted `prefix`, e.g. 'peft.')
+    that its own check refuses (the check declared on the field), and each float not finite."""
+    return [ConfigError(key, message) for key, message in fields.errors(section, prefix)]
+
 
 
 def train_parallel_errors(train: TrainRole) -> list[ConfigError]:

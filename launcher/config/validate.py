@@ -1,10 +1,12 @@
 """Every rule a config must pass before anything is written or submitted.
 
 `validate(cfg, submitting)` returns a list of ConfigError (one line each: the key, what is wrong,
-what is allowed). The topology arithmetic lives in launcher.plan; this module adds the rules
-that tie the topology to the model, LoRA, vLLM, GRPO, checkpointing and Slurm sections.
-Paths are only required to exist when submitting (a dry run can plan for a cluster whose
-filesystem this machine does not see).
+what is allowed). A field's own range or set is declared on the field (launcher.config.schema)
+and checked first (launcher.config.ranges); the topology arithmetic lives in launcher.plan. This
+module holds the rules that tie fields and sections together (the topology to the model, LoRA,
+vLLM, GRPO, checkpointing and Slurm) or read files and the environment (the model directory, the
+prompts, the reward function, wandb). Paths are only required to exist when submitting (a dry
+run can plan for a cluster whose filesystem this machine does not see).
 """
 
 from __future__ import annotations
@@ -15,13 +17,7 @@ from launcher import plan as plan_mod
 from launcher.config import model_facts, model_files, model_rules
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
-from launcher.config.schema import (BUILTIN_MODELS, LORA_MODULES, LORA_NOT_IN_PEFT, REFIT_MODES,
-                                     REFIT_TRANSPORTS as TRANSPORTS, Config, loss_errors)
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-DTYPES = ("float32", "bfloat16", "float16")
-LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
-JOBS = ("grpo", "placement_smoke", "hold", "preflight")
+from launcher.config.schema import BUILTIN_MODELS, LORA_MODULES, LORA_NOT_IN_PEFT, Config, loss_errors
 
 
 def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
@@ -40,17 +36,13 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs += _grpo(cfg)
     errs += _grpo_sampling(cfg)
     errs += _data_and_reward(cfg, submitting)
-    errs += _checkpointing_and_slurm(cfg)
-    if cfg.retry.max_restarts < 0:
-        errs.append(ConfigError("retry.max_restarts", f"must be 0 or more, got {cfg.retry.max_restarts}"))
+    errs += _slurm(cfg)
     if cfg.logging.wandb_project:
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:
             errs.append(ConfigError("logging.wandb_project", "wandb is not installed (pip install wandb), "
                                                              "or set logging.wandb_project=null"))
-    if cfg.run.job not in JOBS:
-        errs.append(ConfigError("run.job", f"must be one of {', '.join(JOBS)}, got {cfg.run.job!r}"))
     if not errs:  # last: the memory plan assumes every rule above holds
         errs += memory.check(cfg, plan_mod.build(cfg.topology))
     return errs
@@ -73,8 +65,6 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
     if m.family is not None and m.family not in model_facts.supported_families():
         errs.append(ConfigError("model.family", f"must be one of {', '.join(model_facts.supported_families())}, "
                                                 f"got {m.family!r}"))
-    if m.dtype not in DTYPES:
-        errs.append(ConfigError("model.dtype", f"must be one of {', '.join(DTYPES)}, got {m.dtype!r}"))
     if m.path is None:
         if m.builtin not in BUILTIN_MODELS:
             errs.append(ConfigError("model.builtin", f"with model.path null, must be a built-in recipe: "
@@ -101,20 +91,20 @@ def _model_dir(cfg: Config, submitting: bool) -> list[ConfigError]:
 def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
     m, tr, gen = cfg.model, cfg.topology.train, cfg.topology.generation
     errs = []
-    if m.num_query_groups and tr.tensor_parallel >= 1 and m.num_query_groups % tr.tensor_parallel:
+    if m.num_query_groups and m.num_query_groups % tr.tensor_parallel:
         errs.append(ConfigError("topology.train.tensor_parallel",
                                 f"must divide model.num_query_groups = {m.num_query_groups} (a TP rank holds whole "
                                 f"query groups), got {tr.tensor_parallel}"))
-    if m.num_layers and tr.pipeline_parallel >= 1 and m.num_layers % tr.pipeline_parallel:
+    if m.num_layers and m.num_layers % tr.pipeline_parallel:
         errs.append(ConfigError("topology.train.pipeline_parallel",
                                 f"must divide model.num_layers = {m.num_layers}, got {tr.pipeline_parallel}"))
     if m.num_experts == 0 and tr.expert_parallel != 1:
         errs.append(ConfigError("topology.train.expert_parallel",
                                 f"model {m.name} has no experts: must be 1, got {tr.expert_parallel}"))
-    elif m.num_experts and tr.expert_parallel >= 1 and m.num_experts % tr.expert_parallel:
+    elif m.num_experts and m.num_experts % tr.expert_parallel:
         errs.append(ConfigError("topology.train.expert_parallel",
                                 f"must divide model.num_experts = {m.num_experts}, got {tr.expert_parallel}"))
-    if m.num_attention_heads and gen.tensor_parallel >= 1 and m.num_attention_heads % gen.tensor_parallel:
+    if m.num_attention_heads and m.num_attention_heads % gen.tensor_parallel:
         errs.append(ConfigError("topology.generation.tensor_parallel",
                                 f"must divide model.num_attention_heads = {m.num_attention_heads} (vLLM splits "
                                 f"heads), got {gen.tensor_parallel}"))
@@ -127,26 +117,10 @@ def _layer_modules(cfg: Config) -> list[str]:
 
 
 def _peft(cfg: Config) -> list[ConfigError]:
+    """Each of peft.target_modules names a module of the model (their own values: the schema's)."""
     p = cfg.peft
-    if not p.enabled:
-        return []
-    errs = []
-    if p.dim < 1:
-        errs.append(ConfigError("peft.dim", f"LoRA rank must be at least 1, got {p.dim}"))
-    if p.alpha <= 0:
-        errs.append(ConfigError("peft.alpha", f"must be positive, got {p.alpha}"))
-    if not 0.0 <= p.dropout < 1.0:
-        errs.append(ConfigError("peft.dropout", f"must be in [0, 1), got {p.dropout}"))
-    if p.dropout_position not in ("pre", "post"):
-        errs.append(ConfigError("peft.dropout_position", f"must be pre or post, got {p.dropout_position!r}"))
-    for key in ("lora_A_init_method", "lora_B_init_method"):
-        if getattr(p, key) not in LORA_INITS:
-            errs.append(ConfigError(f"peft.{key}", f"must be one of {', '.join(LORA_INITS)}, got {getattr(p, key)!r}"))
-    if p.lora_dtype is not None and p.lora_dtype not in DTYPES:
-        errs.append(ConfigError("peft.lora_dtype", f"must be null or one of {', '.join(DTYPES)}, got {p.lora_dtype!r}"))
-    if not p.target_modules:
-        errs.append(ConfigError("peft.target_modules", "is empty: name at least one module, e.g. [linear_qkv]"))
-    if cfg.model.family not in LORA_MODULES or not cfg.model.num_layers:
+    errs: list[ConfigError] = []
+    if not p.enabled or cfg.model.family not in LORA_MODULES or not cfg.model.num_layers:
         return errs  # model.family is reported (or not resolved): its modules are unknown
     names = _layer_modules(cfg)
     short = sorted({n.rsplit(".", 1)[1] for n in names})
@@ -196,7 +170,7 @@ def _hybrid(cfg: Config) -> list[ConfigError]:
     Its facts are the resolved ones (model.family_facts: launcher.config.model_facts)."""
     facts = cfg.model.family_facts or {}
     heads, groups, tp = facts.get("mamba_num_heads"), facts.get("n_groups"), cfg.topology.train.tensor_parallel
-    if not heads or not groups or tp < 1:
+    if not heads or not groups:
         return []
     if heads % tp or groups % tp:
         return [ConfigError("topology.train.tensor_parallel",
@@ -224,30 +198,19 @@ def _lora_not_in_peft(cfg: Config) -> list[ConfigError]:
 def _refit_and_vllm(cfg: Config) -> list[ConfigError]:
     r, v = cfg.refit, cfg.vllm
     errs = []
-    if r.mode not in REFIT_MODES:
-        errs.append(ConfigError("refit.mode", f"must be one of {', '.join(REFIT_MODES)}, got {r.mode!r}"))
-    elif r.mode != "merged" and not cfg.peft.enabled:
+    if r.mode != "merged" and not cfg.peft.enabled:
         errs.append(ConfigError("refit.mode", f"{r.mode} sends LoRA factors: needs peft.enabled=true "
                                               f"(full fine-tuning uses refit=merged)"))
-    if r.bucket_mb < 1:
-        errs.append(ConfigError("refit.bucket_mb", f"must be at least 1, got {r.bucket_mb}"))
-    if r.transport not in TRANSPORTS:
-        errs.append(ConfigError("refit.transport", f"must be one of {', '.join(TRANSPORTS)}, got {r.transport!r}"))
-    elif r.transport == "nccl" and cfg.topology.device != "cuda":
+    if r.transport == "nccl" and cfg.topology.device != "cuda":
         errs.append(ConfigError("refit.transport", "nccl needs topology.device=cuda; on cpu use auto, ray or gloo"))
     elif r.transport == "ray" and cfg.topology.device == "cuda" and cfg.topology.generation.tensor_parallel > 1:
         errs.append(ConfigError("refit.transport", "ray cannot feed a TP>1 engine on cuda: vLLM's RayExecutorV2 "
                                                    "passes refit specs to its workers through a message queue, "
                                                    "where Ray pins each bucket's object ref for the worker's "
                                                    "lifetime (a leak every refit); use auto (nccl) or gloo"))
-    if v.max_lora_rank not in VLLM_LORA_RANKS:
-        errs.append(ConfigError("vllm.max_lora_rank", f"vLLM allows {', '.join(map(str, VLLM_LORA_RANKS))}; "
-                                                      f"got {v.max_lora_rank}"))
-    elif r.mode == "adapter" and cfg.peft.enabled and cfg.peft.dim > v.max_lora_rank:
+    if r.mode == "adapter" and cfg.peft.enabled and cfg.peft.dim > v.max_lora_rank:
         errs.append(ConfigError("vllm.max_lora_rank", f"must be at least peft.dim = {cfg.peft.dim} for "
                                                       f"refit.mode=adapter, got {v.max_lora_rank}"))
-    if v.dtype not in DTYPES:
-        errs.append(ConfigError("vllm.dtype", f"must be one of {', '.join(DTYPES)}, got {v.dtype!r}"))
     if cfg.grpo.max_total_sequence_length <= cfg.grpo.max_new_tokens:
         errs.append(ConfigError("grpo.max_total_sequence_length", f"must exceed grpo.max_new_tokens = "
                                                                   f"{cfg.grpo.max_new_tokens} (prompt + response), "
@@ -257,55 +220,29 @@ def _refit_and_vllm(cfg: Config) -> list[ConfigError]:
 
 def _grpo(cfg: Config) -> list[ConfigError]:
     g = cfg.grpo
-    errs = [ConfigError(f"grpo.{k}", f"must be at least 1, got {getattr(g, k)}")
-            for k in ("max_num_steps", "num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens")
-            if getattr(g, k) < 1]
-    if errs:
-        return errs
+    errs = []
     tr = cfg.topology.train
     model_par = tr.tensor_parallel * tr.pipeline_parallel * tr.context_parallel
     world = tr.nodes * tr.ranks_per_node
-    dp = world // model_par if model_par >= 1 and world % model_par == 0 else 0
+    dp = world // model_par if world % model_par == 0 else 0
     batch = g.num_prompts_per_step * g.num_generations_per_prompt
     if dp and batch % dp:
         errs.append(ConfigError("grpo.num_prompts_per_step", f"prompts x generations = {batch} must divide evenly "
                                                              f"over the {dp} data-parallel trainer groups"))
-    if g.temperature <= 0:
-        errs.append(ConfigError("grpo.temperature", f"must be positive (GRPO samples), got {g.temperature}"))
-    if not 0 < g.top_p <= 1:
-        errs.append(ConfigError("grpo.top_p", f"must be in (0, 1], got {g.top_p}"))
-    if g.use_leave_one_out_baseline and g.num_generations_per_prompt < 2:
-        errs.append(ConfigError("grpo.use_leave_one_out_baseline", "needs num_generations_per_prompt >= 2"))
     errs += loss_errors(g.loss)
     return errs
 
 
 def _grpo_sampling(cfg: Config) -> list[ConfigError]:
-    """Validation, DAPO dynamic sampling and overlong shaping (issue 11)."""
+    """Validation and overlong shaping (issue 11) against the data and the response length."""
     g = cfg.grpo
     errs = []
-    if 0 < g.top_p < 1:
-        errs.append(ConfigError("grpo.top_p", f"must be 1.0, got {g.top_p}: the trainer's logprobs do not apply vLLM's "
-                                              f"top-p truncation, so the gradient would be biased (lower "
-                                              f"grpo.temperature to sharpen sampling)"))
-    if g.val_period < 0:
-        errs.append(ConfigError("grpo.val_period", f"must be 0 (off) or a number of steps, got {g.val_period}"))
-    elif (g.val_period or g.val_at_start) and cfg.data.validation is None:
+    if (g.val_period or g.val_at_start) and cfg.data.validation is None:
         errs.append(ConfigError("grpo.val_period", "validation needs data.validation=PATH (or a built-in set)"))
-    if g.val_max_examples is not None and g.val_max_examples < 1:
-        errs.append(ConfigError("grpo.val_max_examples", f"must be at least 1 or null, got {g.val_max_examples}"))
-    ds = g.dynamic_sampling
-    if ds.max_gen_batches < 1:
-        errs.append(ConfigError("grpo.dynamic_sampling.max_gen_batches", f"must be at least 1, got {ds.max_gen_batches}"))
-    if ds.enabled and g.num_generations_per_prompt < 2:
-        errs.append(ConfigError("grpo.dynamic_sampling.enabled", "needs num_generations_per_prompt >= 2 (a group of "
-                                                                 "one always has equal rewards)"))
     op = g.overlong_penalty
     if op.buffer_tokens is not None and not 1 <= op.buffer_tokens <= g.max_new_tokens:
         errs.append(ConfigError("grpo.overlong_penalty.buffer_tokens", f"must be in [1, max_new_tokens = "
                                                                        f"{g.max_new_tokens}] or null, got {op.buffer_tokens}"))
-    if op.max_penalty < 0:
-        errs.append(ConfigError("grpo.overlong_penalty.max_penalty", f"must be 0 or more, got {op.max_penalty}"))
     return errs
 
 
@@ -321,15 +258,9 @@ def _data_and_reward(cfg: Config, submitting: bool) -> list[ConfigError]:
     return errs + data.check(cfg.data, need_answer=cfg.reward.fn in rewards.BUILTIN, submitting=submitting)
 
 
-def _checkpointing_and_slurm(cfg: Config) -> list[ConfigError]:
-    c, s = cfg.checkpointing, cfg.slurm
+def _slurm(cfg: Config) -> list[ConfigError]:
+    s = cfg.slurm
     errs = []
-    if c.save_period < 1:
-        errs.append(ConfigError("checkpointing.save_period", f"must be at least 1, got {c.save_period}"))
-    if c.keep_top_k is not None and c.keep_top_k < 1:
-        errs.append(ConfigError("checkpointing.keep_top_k", f"must be at least 1 or null (keep all), got {c.keep_top_k}"))
-    if s.time_min < 1:
-        errs.append(ConfigError("slurm.time_min", f"must be at least 1 minute, got {s.time_min}"))
     if s.signal_delay_s < 0 or s.signal_delay_s >= s.time_min * 60:
         errs.append(ConfigError("slurm.signal_delay_s", f"must be in [0, time_min*60) = [0, {s.time_min * 60}), "
                                                         f"got {s.signal_delay_s}"))

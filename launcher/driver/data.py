@@ -111,9 +111,7 @@ def check_fields(ds, source: str, key: str, d: Data, need_answer: bool) -> None:
 
 def check(d: Data, need_answer: bool, submitting: bool) -> list[ConfigError]:
     """The data section's values; the files are read when they exist (always when submitting)."""
-    errs = []
-    if d.chat_template not in ("auto", "none"):
-        errs.append(ConfigError("data.chat_template", f"must be auto or none, got {d.chat_template!r}"))
+    errs = []  # chat_template: its set is the schema's (launcher.config.schema.Data)
     for key, source in (("data.train", d.train), ("data.validation", d.validation)):
         if source is None or not is_file_source(source):
             continue  # the built-in sets have every field

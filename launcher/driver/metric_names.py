@@ -1,7 +1,7 @@
 """The keys of a step's metrics row (metrics.jsonl, TensorBoard, wandb), in one place: the driver
 writes them (grpo, rollout), and the progress line (launcher.progress), the status view, the
 summary and plot (driver.metrics), the start-up breakdown (driver.startup) and the retention
-metric (`checkpointing.metric_name`, launcher.config.ranges) read them.
+metric (`checkpointing.metric_name`, its set in launcher.config.schema) read them.
 
 Torch-free and importing nothing: the shared data of every stage (tests/unit/test_import_rules.py);
 no other module of launcher/ writes such a key as a string (tests/unit/test_one_home.py).

@@ -3,6 +3,7 @@ validation, sweep.jsonl), and the status/stop views of a run read from its run d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -80,6 +81,40 @@ def test_help_lists_cfg_multirun_status_and_stop(capsys):
     for text in ("--cfg job", "--cfg all", "-m, --multirun", "--max-points N", "python -m launcher.status",
                  "python -m launcher.stop RUN_DIR"):
         assert text in out
+
+
+def test_help_for_a_section_or_key_shows_each_keys_doc_and_range_from_the_schema(capsys, monkeypatch):
+    from types import MappingProxyType
+
+    from launcher.config.fields import Range, leaves
+    from launcher.config.schema import Config, Peft
+
+    assert main(["--help", "grpo.loss", "peft.dim"]) == 0
+    out = capsys.readouterr().out
+    assert "peft.dim: int = 16    allowed: >= 1 (checked when peft.enabled=true)\n      LoRA rank\n" in out
+    assert "grpo.loss.ratio_clip_c: float? = 10.0    allowed: > 1 or null;" in out
+    loss = [leaf for leaf in leaves(Config) if leaf.key.startswith("grpo.loss.")]
+    assert len(loss) == 8 and all(f"  {leaf.key}: " in out and f"\n      {leaf.doc}\n" in out + "\n" for leaf in loss)
+    # read from the schema: another doc and range on the field is what the help says
+    field = next(f for f in dataclasses.fields(Peft) if f.name == "dim")
+    monkeypatch.setattr(field, "metadata", MappingProxyType({**field.metadata, "doc": "the planted doc",
+                                                              "check": Range(2, 64)}))
+    assert main(["--help", "peft.dim"]) == 0
+    assert "peft.dim: int = 16    allowed: [2, 64] (checked when peft.enabled=true)\n      the planted doc" in \
+        capsys.readouterr().out
+    assert main(["--help", "grpo.nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: grpo.nope: no such key or section; sections: topology, ")
+
+
+def test_help_lists_common_keys_with_their_docs(capsys):
+    from launcher.config.fields import leaves
+    from launcher.config.schema import Config
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    docs = {leaf.key: leaf.doc for leaf in leaves(Config)}
+    assert f"  {'refit.mode':<24}merged | merged_delta | adapter\n{'':26}{docs['refit.mode']}\n" in out
+    assert docs["slurm.time_min"] in out and docs["dry_run"] in out
 
 
 # ------------------------------------------------------------------------------------- expansion

@@ -157,7 +157,7 @@ CASES = [
       ]],
     Case("image-quote", ["slurm.container_image='img\"'", "submit=false", *SLURM], 2,
          "slurm.container_image: has an unbalanced quote"),
-    # 6: every field has a checked range or set (launcher/config/ranges.py)
+    # 6: every field has a checked range or set (declared on the field in launcher/config/schema.py)
     Case("ray-port-negative", ["ray.port=-1"], 2, "ray.port: must be in [1024, 65535], got -1"),
     Case("ray-ports-inverted", ["ray.min_worker_port=20000", "ray.max_worker_port=10000"], 2,
          "ray.max_worker_port: must exceed ray.min_worker_port = 20000"),

@@ -44,6 +44,7 @@ HERE = {
     "scripts/install.sh --slurm && .venv/bin/python -m pytest tests": Row("not here", why="installs Slurm, runs the "
                                                                           "whole suite"),
     "python -m launcher --help": Row("as printed", shows="usage: python -m launcher"),
+    "python -m launcher --help grpo.loss": Row("as printed", shows="grpo.loss.ratio_clip_c: float? = 10.0"),
     "python -m launcher": Row("submit=false", shows="nothing was run (submit=false)"),
     "python -m launcher topology=ultra_6n4g dry_run=true": Row("as printed", shows="== plan: topology ultra_6n4g"),
     "python -m launcher topology=ultra_6n4g model.path=/lustre/models/nemotron-3-ultra slurm.partition=batch":

@@ -2,8 +2,9 @@
 
 The sections are launcher.config.schema's dataclasses (one definition of every key): topology.train
 (the layout and the micro-batch size), peft, optim and grpo.loss; every field here is one a run sets.
-The rules the launcher also checks (sequence / context parallelism, the loss) are schema's functions,
-so a trainer built outside the launcher refuses the same configs.
+A trainer built outside the launcher refuses the same sections the launcher does: each field's own
+range or set is read from the schema's field metadata (schema.field_errors), and the
+rules that tie fields together (sequence / context parallelism, the loss) are schema's functions.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional
 
 from launcher.config import model_facts
 from launcher.config.model_facts import ModelFacts
-from launcher.config.schema import Optim, Peft, TrainRole, from_dict, train_parallel_errors
+from launcher.config.schema import Optim, Peft, TrainRole, field_errors, from_dict, train_parallel_errors
 from workers import cpu_shim
 from workers.trainer.loss import LossConfig, loss_config
 
@@ -64,13 +65,9 @@ class TrainerConfig:
         return facts if facts is not None else model_facts.read(self.model_path)[0]
 
     def check(self) -> None:
-        if self.peft.enabled and not self.peft.target_modules:
-            raise ValueError("peft.enabled needs a non-empty peft.target_modules")
-        if self.peft.enabled and self.peft.dim <= 0:
-            raise ValueError("peft.enabled needs peft.dim > 0")
-        if self.optim.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optim.optimizer must be adam or sgd, got {self.optim.optimizer!r}")
-        errors = train_parallel_errors(self.parallel)
+        """The first problem of the sections, as the launcher words it ('peft.dim: ...')."""
+        errors = (field_errors(self.parallel, "topology.train.") + field_errors(self.peft, "peft.")
+                  + field_errors(self.optim, "optim.") + train_parallel_errors(self.parallel))
         if errors:
             raise ValueError(str(errors[0]))
 
