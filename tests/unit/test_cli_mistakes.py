@@ -194,15 +194,6 @@ def snapshot(root: Path) -> dict[str, str]:
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
 
 
-@pytest.fixture
-def sandbox(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(launcher_cli, "_run_here", lambda *a, **k: 99)
-    monkeypatch.setattr(launcher_cli, "_submit", lambda *a, **k: 98)
-    return tmp_path
-
-
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.command}-{c.name}" for c in CASES])
 def test_a_mistake_is_one_line_exit_2_and_changes_nothing(case: Mistake, sandbox, capsys):
     if case.setup:

@@ -42,16 +42,6 @@ def walk(root: Path, shared: bool) -> list[Path]:
     return seen
 
 
-@pytest.fixture
-def sandbox(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "_run_here", lambda *a, **k: 99)
-    monkeypatch.setattr(cli, "_submit", lambda *a, **k: 98)
-    old = os.umask(0o022)   # a typical login shell: files 0644 unless the writer says otherwise
-    yield tmp_path
-    os.umask(old)
-
-
 @pytest.fixture(params=[False, True], ids=["private", "shared"])
 def shared(request) -> bool:
     return request.param

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,17 +296,6 @@ CASES = [
     Case("model-complete-passes", ["model.path={sandbox}/models/ok", *SLURM, "submit=false"], 0, "",
          setup=_model("ok")),
 ]
-
-
-@pytest.fixture
-def sandbox(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(cli, "_run_here", lambda *a, **k: 99)
-    monkeypatch.setattr(cli, "_submit", lambda *a, **k: 98)
-    old = os.umask(0o022)   # what a typical login shell has; the launcher sets its own
-    yield tmp_path
-    os.umask(old)
 
 
 def snapshot(*roots: Path) -> dict[str, str]:
