@@ -243,6 +243,49 @@ def test_a_receiver_that_fails_reads_the_rest_and_the_group_goes_on():
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(exports[1].made, got)) and len(got) == len(SIZES)
 
 
+@pytest.mark.parametrize("refit", ["first (layout streamed)", "later (layout known)"])
+def test_what_a_failed_receiver_reads_after_its_error_goes_into_one_reused_buffer(refit):
+    """After its loader failed (an out-of-memory error, most likely) a vLLM worker reads the rest of the
+    refit so that the others finish; a fresh buffer per bucket would repeat the error and leave trainer
+    rank 0 waiting for refit.timeout_s. Every bucket read after the failure lands in the buffer of the
+    bucket it failed in (the buffers are held here, so a freed one cannot come back at the same address)."""
+    buffers, out = [], {}
+
+    def failing(transport):
+        real = transport.group.recv_bucket
+
+        def recording(*args, **kwargs):
+            buf = real(*args, **kwargs)
+            buffers.append(buf)
+            return buf
+
+        transport.group.recv_bucket = recording
+        layouts = {}
+        if refit.startswith("later"):
+            receive_all(transport, layouts)
+        buffers.clear()
+        incoming = transport.receive(BroadcastTransport.expect("merged").to_spec(), layouts)
+        for i, (name, _) in enumerate(incoming.stream):
+            if name == "w.5":  # alone in the largest bucket (16 KB): every later one fits in its buffer
+                failed_in = len(buffers)
+                incoming.drain()
+                out["after"] = [b.data_ptr() for b in buffers[failed_in - 1:]]
+                break
+        out["next"] = receive_all(transport, layouts)[1]
+
+    sender, join = group_of(2, failing)
+    try:
+        exports = [CountingExport(SIZES, seed=s) for s in (6, 7, 8)]
+        for e in exports[:3 if refit.startswith("later") else 2]:
+            sender.payload(e, "merged", bucket_mb=BUCKET_MB)
+    finally:
+        assert join() == [None]
+    assert len(out["after"]) > 10  # the bucket it failed in, and every later one
+    assert set(out["after"]) == {out["after"][0]}
+    last = exports[2 if refit.startswith("later") else 1]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(last.made, out["next"])) and len(out["next"]) == len(SIZES)
+
+
 def test_a_sender_that_fails_is_named_by_every_receiver_and_the_next_refit_works():
     from workers.refit.transports import RefitAborted
 

@@ -30,7 +30,9 @@ precedes each message: c >= 0 announces a bucket of c bytes, c < 0 a JSON messag
 A receiver that fails while loading keeps reading to the end of the refit (`Incoming.drain`), so
 the sender and the other workers finish and the run fails at once naming the worker and the
 tensor, instead of every process waiting for a collective until the timeout. A receiver whose
-stream meets a protocol problem drains the same way before it raises.
+stream meets a protocol problem drains the same way before it raises. What it reads then goes into
+one reused buffer (the last bucket's), never a new one per bucket: the likeliest loader failure is
+an out-of-memory error, which a fresh allocation per bucket would only repeat.
 
 send(mode, kind, named, groups, dim, alpha, bucket_bytes) -> RefitPayload (sender_s left to the caller).
 receive(spec, layouts) -> Incoming(layout, lazy (name, tensor) stream, layout_received); `layouts` is
@@ -214,8 +216,13 @@ class BroadcastGroup:
             return b""
         return self.broadcast(torch.empty(size, dtype=torch.uint8, device=self.device)).cpu().numpy().tobytes()
 
-    def recv_bucket(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+    def recv_bucket(self, nbytes: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The next bucket: into a new buffer, or into the first `nbytes` of `into` where it is large
+        enough (what a receiver that keeps nothing passes: its one reused buffer)."""
+        if into is not None and into.numel() >= nbytes:
+            buf = into[:nbytes]
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self.broadcast(buf) if nbytes else buf
 
     def abort(self) -> None:
@@ -321,35 +328,47 @@ class BroadcastTransport(_Transport):
         incoming = Incoming(layout, iter(()), streaming)
         if not streaming and (layout is None or layout.key != opening["key"]):
             # read this refit to its end (every bucket is announced with its size), then say why
-            _exhaust(self._stream(kind, incoming, layouts, streaming, problem=(
+            _exhaust(self._stream(kind, incoming, layouts, streaming, draining=[True], problem=(
                 "the sender assumes a refit layout this worker does not hold (it joined after the first refit?)")))
-        incoming.stream = self._stream(kind, incoming, layouts, streaming, problem=None)
-        incoming._drain = lambda: _exhaust(incoming.stream)
+        draining = [False]
+        incoming.stream = self._stream(kind, incoming, layouts, streaming, problem=None, draining=draining)
+
+        def drain() -> None:
+            draining[0] = True  # what is still to come is read into one reused buffer, and dropped
+            _exhaust(incoming.stream)
+
+        incoming._drain = drain
         return incoming
 
-    def _stream(self, kind: str, incoming: Incoming, layouts: dict, streaming: bool, problem: str | None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stream(self, kind: str, incoming: Incoming, layouts: dict, streaming: bool, problem: str | None,
+                draining: list[bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The refit's tensors as they arrive. A bucket whose tensors go to the consumer gets a buffer of
+        its own (the consumer may keep views: vLLM's layerwise reload holds a layer's tensors until it is
+        complete). Once nothing is kept (a problem was found, or the consumer failed and drains), every
+        further bucket is read into the same buffer, the last one received, grown only for a larger
+        bucket: after an out-of-memory error in the loader, reading the rest allocates nothing more."""
         head = incoming.layout
         metas_all: list[TensorMeta] = []
         n = 0
+        spare = None  # the last bucket's buffer (after a failure: the one every further bucket is read into)
         while True:
             message = self._hear()
             if isinstance(message, int):  # a bucket of a layout this worker holds
-                buf = self.group.recv_bucket(message)
+                buf, spare = self._recv_bucket(message, spare, keep=problem is None and not draining[0])
                 if problem is None and (streaming or n >= len(head.buckets) or head.buckets[n].nbytes != message):
                     problem = f"bucket {n} ({message} bytes) does not fit this worker's refit layout"
-                if problem is None:
+                if problem is None and not draining[0]:
                     yield from unpack_bucket(buf, head.buckets[n], head)
                 n += 1
             elif "metas" in message:
                 metas = [TensorMeta(name, tuple(shape), dtype) for name, shape, dtype in message["metas"]]
                 bucket = bucket_of(metas, start=len(metas_all))
                 announced = self.group.recv_int()
-                buf = self.group.recv_bucket(announced)
+                buf, spare = self._recv_bucket(announced, spare, keep=problem is None and not draining[0])
                 if problem is None and (not streaming or announced != bucket.nbytes):
                     problem = f"bucket {n} ({announced} bytes) does not fit its header ({bucket.nbytes} bytes)"
                 metas_all.extend(metas)
-                if problem is None:
+                if problem is None and not draining[0]:
                     yield from unpack_metas(buf, bucket, metas)
                 n += 1
             elif "error" in message:
@@ -368,6 +387,15 @@ class BroadcastTransport(_Transport):
                 return
             else:
                 raise RefitProtocolError(f"unknown refit message {message!r}")
+
+    def _recv_bucket(self, nbytes: int, spare: torch.Tensor | None, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the bucket, the buffer to reuse next): a new buffer for a bucket the consumer gets; a
+        dropped one goes into `spare` (replaced only by a larger one)."""
+        if keep:
+            buf = self.group.recv_bucket(nbytes)
+            return buf, buf
+        buf = self.group.recv_bucket(nbytes, into=spare)
+        return buf, buf if spare is None or buf.numel() > spare.numel() else spare
 
 
 def _head(layout: RefitLayout) -> tuple:
