@@ -53,3 +53,18 @@ def test_the_ray_transport_is_refused_for_a_tp_engine_on_cuda():
         "workers through a message queue, where Ray pins each bucket's object ref for the worker's lifetime "
         "(a leak every refit); use auto (nccl) or gloo"]
     assert not [e for e in validate(typed(compose(["topology=ultra_6n4g"]))) if e.key == "refit.transport"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_hybrid_model_runs_without_prefix_caching_on_every_device(device, tiny_model):
+    """NeMo RL's Nemotron 3 Super recipe turns prefix caching off; on vLLM CPU it crashes a hybrid's long
+    prefill. A model without Mamba layers keeps vLLM's default."""
+    from workers.generator.actor import has_mamba_layers
+
+    hybrid, dense_hybrid, llama = tiny_model("tiny_nemotron_h"), tiny_model("tiny_nemotron_h_dense"), tiny_model()
+    assert has_mamba_layers(str(hybrid)) and has_mamba_layers(str(dense_hybrid)) and not has_mamba_layers(str(llama))
+    for path in (hybrid, dense_hybrid):
+        kw = GeneratorConfig(model=str(path), device=device, tensor_parallel=8 if device == "cuda" else 1).engine_kwargs()
+        assert kw["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in GeneratorConfig(model=str(llama), device=device).engine_kwargs()
+    assert not has_mamba_layers("/nonexistent")  # no config.json: nothing known (the preflight's stand-in name)

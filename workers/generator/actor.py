@@ -94,6 +94,8 @@ class GeneratorConfig(Vllm):
                                   logprobs_mode=self.logprobs_mode, worker_extension_cls=self.worker_extension,
                                   distributed_executor_backend="ray" if self.executor_class() == RAY_EXECUTOR
                                   else "uni")  # "ray": workers may live on other nodes
+        if has_mamba_layers(self.model):
+            kw["enable_prefix_caching"] = False  # see has_mamba_layers
         if self.device == "cpu":
             kw.update(kv_cache_memory_bytes=self.kv_cache_memory_bytes)
         else:
@@ -104,6 +106,23 @@ class GeneratorConfig(Vllm):
             if outside is not None:
                 kw["lora_target_modules"] = outside
         return kw
+
+
+def has_mamba_layers(model: str) -> bool:
+    """Whether the checkpoint at `model` is a hybrid with Mamba layers (its layer pattern, a fact:
+    launcher.config.model_facts); False where it has no config.json. Its engine runs without prefix
+    caching on every device, as NeMo RL's Nemotron 3 Super recipe does (`enable_prefix_caching:
+    false`): with it vLLM keeps a hybrid's Mamba state per block ('align' mode, which needs chunked
+    prefill; vllm/model_executor/models/config.py MambaModelConfig) instead of one state per
+    sequence, and vLLM CPU crashes on a prefill longer than the Mamba block with it on
+    (workers/cpu_shim/vllm.py turns it off for `vllm serve` too). What is given up: the
+    generations of one prompt share no prefix blocks (a refit drops the cache every step anyway)."""
+    from launcher.config import model_facts
+
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return False
+    facts, _ = model_facts.read(model)
+    return "M" in str(facts.family_facts.get("hybrid_override_pattern") or "")
 
 
 class VllmGenerator:
