@@ -78,7 +78,8 @@ class Topology:
     nodes: int = knob(1, COUNT, "nodes of the job: train.nodes + generation.nodes (1 for the local executor)")
     gpus_per_node: int = knob(0, Range(0, 1024), "GPUs (Slurm GRES) requested per node; 0: none")
     cpus_per_node: Optional[int] = knob(None, Range(1, 65536, nullable=True),
-                                        "Slurm --cpus-per-task; null: Slurm's default")
+                                        "cores per node: --cpus-per-task of the job and of its srun step (one task "
+                                        "per node); null: Slurm's default (one)")
     colocate_roles: bool = knob(False, None, "both roles on one node (nodes = train.nodes = generation.nodes = 1)")
     gpu_memory_gib: float = knob(184.0, Range(1, None), "memory per GPU for the memory plan (launcher.memory); "
                                                         "GB200: 186 GB, CUDA reports ~185 GiB")

@@ -105,6 +105,10 @@ def job_spec(cfg: Config, plan: plan_mod.Plan) -> JobSpec:
         name, value = _extra_flag(str(key), value)
         flags[name] = value
     srun_args = []
+    if cfg.topology.cpus_per_node:
+        # Slurm >= 22.05: srun no longer inherits sbatch's --cpus-per-task (nor reads SLURM_CPUS_PER_TASK);
+        # without it the step that runs Ray on each node would get one core
+        srun_args.append(f"--cpus-per-task={int(cfg.topology.cpus_per_node)}")
     if s.container_image:
         srun_args.append("--container-image=" + _one_line("slurm.container_image", s.container_image))
     if s.container_mounts:

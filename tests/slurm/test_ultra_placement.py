@@ -46,8 +46,10 @@ def test_ultra_6n4g_places_16_trainers_and_the_tp8_engine_where_the_plan_says(sl
         pytest.skip(f"needs a {NODES}-node test cluster, this one has {len(slurm_cluster.nodes)} (SLURM_TEST_NODES)")
     from tests.helpers.nemotron_h import ultra_stand_in
 
+    # the test nodes have fewer cores than a GB200 node (the topology asks for 128): all of theirs
     p = subprocess.run([PY, "-m", "launcher", "topology=ultra_6n4g", "run.job=placement_smoke", *ultra_stand_in(tmp_path),
-                        f"run.root={tmp_path}", "logging.tensorboard=false"],
+                        f"topology.cpus_per_node={slurm_cluster.cpus_per_node}", f"run.root={tmp_path}",
+                        "logging.tensorboard=false"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     job = re.search(rf"submitted job (\d+) \({NODES} nodes\)", p.stdout)

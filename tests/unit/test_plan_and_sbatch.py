@@ -102,6 +102,12 @@ def test_submitit_script_is_the_same_job():
                  "#SBATCH --time=240"):
         assert line in text
     assert "--kill-on-bad-exit=1" in text and "-m submitit.core._submit /runs/x/submitit/%j" in text
+    # Slurm >= 22.05: the step does not inherit the job's --cpus-per-task, so srun states it too
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--cpus-per-task=2" in srun.split()
+    assert "--cpus-per-task" not in sbatch.submitit_script(sbatch.job_spec(*plan_of("topology=ultra_6n4g",
+                                                                                    "topology.cpus_per_node=null")),
+                                                           Path("/runs/x/submitit/%j"))
 
 
 def test_dry_run_is_fast_imports_no_torch_and_writes_nothing(tmp_path):
