@@ -46,6 +46,19 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 JOBS = ("grpo", "placement_smoke", "hold", "preflight")
 
 
+# Activation recompute (topology.train.recompute): none | selective | full. selective recomputes the
+# modules of Megatron-Bridge's Nemotron 3 Ultra LoRA recipe (megatron-core's recompute_modules:
+# moe and shared_experts checkpoint the MoE layer and its shared expert, mlp a dense MLP, moe_act
+# the experts' activation, layernorm the norms, core_attn the attention core); full recomputes
+# every layer from its input (recompute_method uniform, one layer per unit). The trainer
+# (workers.trainer.provider_settings) and the memory plan (launcher.memory) read these.
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("moe", "moe_act", "mlp", "shared_experts", "layernorm", "core_attn")
+# megatron-core's AttnBackend names; fused is the Bridge's Nemotron 3 recipes' choice (Transformer
+# Engine's cuDNN attention), flash needs the flash-attn package, local is megatron's own attention
+ATTENTION_BACKENDS = ("fused", "flash", "unfused", "local", "auto")
+
+
 @dataclass
 class TrainRole:
     nodes: int = knob(1, COUNT, "nodes that host trainer ranks")
@@ -58,6 +71,12 @@ class TrainRole:
     sequence_parallel: bool = knob(False, None, "Megatron sequence parallelism (needs tensor_parallel > 1)")
     micro_batch_size: int = knob(0, Range(0, 1 << 16), "sequences per forward/backward pass of a trainer rank; "
                                                        "0: its whole shard at once")
+    recompute: str = knob("none", OneOf(RECOMPUTE), "activation recompute: none | selective (recompute "
+                                                    f"{', '.join(RECOMPUTE_MODULES)}: the Bridge's Nemotron 3 Ultra "
+                                                    "LoRA recipe) | full (every layer from its input)")
+    attention_backend: str = knob("fused", OneOf(ATTENTION_BACKENDS),
+                                  "Megatron's attention on cuda with Transformer Engine (fused: cuDNN, the Bridge's "
+                                  "recipes; flash: needs flash-attn); without TE and on cpu: local")
 
 
 @dataclass

@@ -58,6 +58,9 @@ import megatron.core.models.hybrid.hybrid_block as hybrid_block
 out["hybrid_final_norm"] = hybrid_block.TENorm.__name__
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 out["linear_tp_size"] = isinstance(ColumnParallelLinear.tp_size, property)
+import megatron.core.tensor_parallel.random as mrandom
+out["cuda_rng_state"] = list(mrandom._get_all_rng_states()[1].shape)  # asserts "no CUDA" unpatched
+out["checkpoint_fp8"] = [mrandom.CheckpointWithoutOutput().fp8, mrandom.CheckpointWithoutOutput(fp8=True).fp8]
 print(json.dumps(out))
 """
 
@@ -68,10 +71,10 @@ def test_cpu_shim_patches_only_what_it_says():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # on cuda: the Python 3.11 alias, and without Transformer Engine its import stub for the bridge's LoRA
-    assert set(out["cuda_applied"]) <= {"typing_override", "te_stub", "bridge_no_te"} | (
+    assert set(out["cuda_applied"]) <= {"typing_override", "te_stub", "bridge_no_te", "no_fp8_checkpoint"} | (
         set() if out["triton_installed"] else {"import_stubs"})  # a triton stub only where triton is missing
     if not out["te_installed"]:
-        assert {"te_stub", "bridge_no_te"} <= set(out["cuda_applied"])
+        assert {"te_stub", "bridge_no_te", "no_fp8_checkpoint"} <= set(out["cuda_applied"])
     assert out["cuda_ctx_is_null"]
     assert set(out["cpu_applied"]) >= {"current_device", "cuda_sync", "import_stubs", "causal_mask", "bridge_no_te"}
     assert out["current_device"] == "cpu"
@@ -89,6 +92,9 @@ def test_cpu_shim_patches_only_what_it_says():
     # the hybrid stack's final norm, and TE's tp_size on megatron's linears
     assert {"mamba_ssm", "hybrid_final_norm", "linear_tp_size", "no_jit_fuser"} <= set(out["cpu_applied"])
     assert out["hybrid_final_norm"] == "WrappedTorchNorm" and out["linear_tp_size"]
+    # activation recompute: no CUDA RNG state to keep; the output-discarding checkpoint is not fp8 without TE
+    assert "recompute_rng" in out["cpu_applied"] and out["cuda_rng_state"] == [0]
+    assert out["checkpoint_fp8"] == [False, True]
 
 
 MAMBA_PROBE = r"""

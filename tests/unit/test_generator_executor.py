@@ -64,7 +64,8 @@ def test_a_hybrid_model_runs_without_prefix_caching_on_every_device(device, tiny
     hybrid, dense_hybrid, llama = tiny_model("tiny_nemotron_h"), tiny_model("tiny_nemotron_h_dense"), tiny_model()
     assert has_mamba_layers(str(hybrid)) and has_mamba_layers(str(dense_hybrid)) and not has_mamba_layers(str(llama))
     for path in (hybrid, dense_hybrid):
-        kw = GeneratorConfig(model=str(path), device=device, tensor_parallel=8 if device == "cuda" else 1).engine_kwargs()
+        tp = 8 if device == "cuda" else 1
+        kw = GeneratorConfig(model=str(path), device=device, tensor_parallel=tp).engine_kwargs()
         assert kw["enable_prefix_caching"] is False
     assert "enable_prefix_caching" not in GeneratorConfig(model=str(llama), device=device).engine_kwargs()
     assert not has_mamba_layers("/nonexistent")  # no config.json: nothing known (the preflight's stand-in name)

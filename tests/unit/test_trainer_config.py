@@ -23,7 +23,7 @@ def section(path: str) -> dict:
 @pytest.mark.parametrize("topology", ["local.yaml", "slurm_3n.yaml", "ultra_6n4g.yaml"])
 def test_every_peft_and_topology_section_is_accepted(peft, topology):
     topo = section(f"topology/{topology}")
-    train = {k: (4 if isinstance(v, str) else v) for k, v in topo["train"].items()}  # ${...} interpolations
+    train = {k: (4 if str(v).startswith("${") else v) for k, v in topo["train"].items()}  # ${...} interpolations
     cfg = TrainerConfig.from_sections(
         "/models/x", parallel=train, peft=section(f"peft/{peft}"), optim=section("optim/adam_constant.yaml"),
         loss=section("grpo/demo.yaml")["loss"], device=topo["device"], seed=1, max_num_steps=12)

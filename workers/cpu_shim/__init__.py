@@ -9,7 +9,7 @@ is listed with what it does and why in that module's docstring:
   megatron.py    megatron-core / Megatron-Bridge: the import hook (Transformer Engine, triton and
                  mamba_ssm stand-ins handed to megatron's importers only), causal mask, the bridge's
                  TE probe, MoE dispatcher streams, torch norms under sequence parallelism, the
-                 hybrid (Mamba) stack's final norm
+                 hybrid (Mamba) stack's final norm, the RNG states activation recompute keeps
   mamba.py       a pure-torch stand-in for the three mamba_ssm entry points megatron's Mamba mixer
                  imports (SSD chunk scan, fused split-conv1d-scan, gated group RMSNorm)
   vllm.py        vLLM CPU: MoE weight reloads, LoRA on MoE bases, non-gated (relu2) MoE experts,
@@ -20,7 +20,8 @@ that build tensors on "cuda" (optimizer step, gradient clipping, grad-norm) in
 `cuda_factories_on_cpu(device)`. vLLM's process (the generator, the refit extension inside vLLM's
 worker, `workers.generator.serve`) calls `apply_vllm(device)`. On cuda `apply` does nothing
 except the Python 3.11 alias (not about the device) and, where Transformer Engine is not
-installed, the TE import stub and bridge_no_te (the bridge's LoRA imports TE unconditionally);
+installed, the TE import stub, bridge_no_te (the bridge's LoRA imports TE unconditionally) and
+no_fp8_checkpoint (megatron's output-discarding recompute calls TE's fp8 state);
 `apply_vllm` does nothing; the context manager is a no-op. So the same code runs unchanged on
 GPUs, where the real mamba_ssm is used (docs/gpu.md says what to install).
 
@@ -44,6 +45,7 @@ def apply(device: str) -> list[str]:
         if not _installed("transformer_engine"):  # cuda without TE: the bridge's LoRA still imports it
             megatron.import_stubs(triton=not _installed("triton"), mamba_ssm=False)
             megatron.bridge_no_te()
+            megatron.no_fp8_checkpoint()
         return list(APPLIED)
     torch_cuda.current_device()
     torch_cuda.cuda_sync()
@@ -55,6 +57,8 @@ def apply(device: str) -> list[str]:
     megatron.torch_norm_sequence_parallel()
     megatron.linear_tp_size()
     megatron.hybrid_final_norm()
+    megatron.recompute_rng()
+    megatron.no_fp8_checkpoint()
     return list(APPLIED)
 
 

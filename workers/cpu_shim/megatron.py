@@ -43,6 +43,17 @@
                     checkpoints the adapter (adapter_wrapper._compute_mamba_dim_info): an attribute
                     of Transformer Engine's linears that megatron's Column/RowParallelLinear (the
                     local spec's) lack. They get it as a read-only property, their tp_group's size.
+  recompute_rng     activation recompute (topology.train.recompute): megatron's checkpoints
+                    (tensor_parallel.checkpoint, CheckpointWithoutOutput) save the CPU RNG state,
+                    the CUDA one and the RNG tracker's before the forward and restore them for the
+                    recomputation, so that dropout draws the same masks; reading the CUDA state
+                    asserts without CUDA. On CPU there is no CUDA state to keep: its reader returns
+                    an empty state and its writer does nothing (the CPU state is still kept).
+  no_fp8_checkpoint (also on cuda without TE) megatron-core's CheckpointWithoutOutput, the
+                    output-discarding checkpoint of `layernorm` and `moe_act` recompute, sets
+                    `self.fp8 = fp8 is not None`, so its default fp8=False reads as fp8 on and the
+                    forward calls Transformer Engine's FP8GlobalStateManager, a NameError without
+                    TE. Without TE there is no fp8: the flag is set to what was asked (bool(fp8)).
   hybrid_final_norm megatron/core/models/hybrid/hybrid_block.py builds the hybrid (Mamba) stack's
                     final norm as TENorm whatever the layer spec says; without Transformer Engine
                     that is a placeholder, so it becomes megatron's WrappedTorchNorm (the norm the
@@ -268,3 +279,31 @@ def linear_tp_size() -> None:
         if not hasattr(cls, "tp_size"):
             cls.tp_size = property(lambda self: self.tp_group.size())
     once("linear_tp_size")
+
+
+def recompute_rng() -> None:
+    if "recompute_rng" in APPLIED:
+        return
+    import torch
+    import megatron.core.tensor_parallel.random as random
+
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
+    once("recompute_rng")
+
+
+def no_fp8_checkpoint() -> None:
+    if "no_fp8_checkpoint" in APPLIED:
+        return
+    import megatron.core.tensor_parallel.random as random
+
+    if random.HAVE_TE:  # TE is there: megatron's flag is harmless (FP8GlobalStateManager answers)
+        return
+    original = random.CheckpointWithoutOutput.__init__
+
+    def __init__(self, fp8=False):
+        original(self, fp8)
+        self.fp8 = bool(fp8)
+
+    random.CheckpointWithoutOutput.__init__ = __init__
+    once("no_fp8_checkpoint")

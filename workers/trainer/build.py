@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from workers import cpu_shim
-from workers.trainer import bridge_fixes, kernels, provider_facts
+from workers.trainer import bridge_fixes, provider_facts, provider_settings
 from workers.trainer.config import ParallelConfig, PeftConfig, TrainerConfig
 
 INIT_TIMEOUT_S = 600.0   # every rank of the group has joined within this (Ray starts them together)
@@ -87,46 +87,16 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
                                            finalize_model_grads)
     from megatron.core.utils import get_model_config
 
-    p, is_cpu = cfg.parallel, cpu_shim.is_cpu(cfg.device)
+    is_cpu = cpu_shim.is_cpu(cfg.device)
     bridge_fixes.apply()  # Megatron-Bridge defects (Mamba in_proj LoRA in the merged export)
     dtype = torch_dtype(cfg.dtype) or torch.float32
     facts = cfg.facts  # the run's facts (config.yaml): what Megatron must build, and vLLM loads
     facts_from = (cfg.model or {}).get("facts_from") or f"{cfg.model_path}/config.json"
     bridge = AutoBridge.from_hf_pretrained(cfg.model_path)  # no dtype=: it leaks into the tokenizer
     provider = bridge.to_megatron_provider(load_weights=True)
-    provider.tensor_model_parallel_size = p.tensor_parallel
-    provider.pipeline_model_parallel_size = p.pipeline_parallel
-    provider.context_parallel_size = p.context_parallel
-    provider.expert_model_parallel_size = p.expert_parallel
-    provider.expert_tensor_parallel_size = p.expert_tensor_parallel
-    # MoE at TP>1: megatron's MoELayer refuses to train without sequence parallelism, so it is on
-    provider.sequence_parallel = p.tensor_parallel > 1 and (p.sequence_parallel or bool(getattr(provider, "num_moe_experts", None)))
-    if getattr(provider, "num_moe_experts", None) and (cfg.peft.enabled or cfg.peft.freeze_moe_router):
-        # The router is frozen (LoRA freezes every base weight): its load-balancing loss could only push
-        # the other weights to re-balance a router that cannot change, and it depends on how the batch
-        # is split over data-parallel ranks (a step at EP2 would differ from the same step at EP1).
-        provider.moe_router_load_balancing_type, provider.moe_aux_loss_coeff = "none", 0.0
-        # Its expert bias (Nemotron-H's bridge turns it on) is a buffer megatron moves every step unless
-        # frozen: rate 0 as NeMo RL sets it, and apply_peft marks each router's bias frozen.
-        provider.moe_router_bias_update_rate = 0.0
+    # the layout, MoE, recompute, attention and fusion settings (workers.trainer.provider_settings)
+    provider_settings.apply(provider, cfg, is_cpu, have_te=_have_transformer_engine())
     provider.params_dtype = dtype
-    if provider.vocab_size % p.tensor_parallel:
-        provider.should_pad_vocab = True  # megatron splits the vocab evenly over TP ranks
-    if is_cpu or not _have_transformer_engine():
-        from megatron.bridge.models.gpt_provider import local_layer_spec
-
-        if hasattr(provider, "transformer_layer_spec"):
-            provider.transformer_layer_spec = local_layer_spec
-        if hasattr(provider, "hybrid_stack_spec"):  # Nemotron-H: Mamba + attention + MLP/MoE layers
-            from workers.trainer.hybrid_spec import local_hybrid_stack_spec
-
-            provider.hybrid_stack_spec = local_hybrid_stack_spec
-    if is_cpu and hasattr(provider, "moe_shared_expert_overlap"):
-        provider.moe_shared_expert_overlap = False  # True puts the shared expert on a torch.cuda.Stream
-    # a fusion whose kernel does not import here is off (workers.trainer.kernels; all of them on CPU)
-    for flag, value in kernels.settings(is_cpu).items():
-        if hasattr(provider, flag):
-            setattr(provider, flag, value)
     provider_facts.apply(provider, facts)
     provider.finalize()
     differ = provider_facts.check(provider, facts)
