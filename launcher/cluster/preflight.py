@@ -8,8 +8,9 @@ directory (whose job task therefore never starts) is still probed and named. Eac
 its hostname, GPUs visible vs planned (and their memory vs `topology.gpu_memory_gib`, the memory
 plan's), driver / CUDA / torch / vLLM versions, a hash of the installed package versions, whether
 the imports its roles need work (`build_needs`: on a training node what the model's build needs,
-e.g. Transformer Engine, mamba_ssm and causal_conv1d for Nemotron-H on cuda; on a generation node
-the vLLM executor class the engine runs), which optional fusion kernels import (a training node
+e.g. Transformer Engine, mamba_ssm and causal_conv1d for Nemotron-H on cuda, and the kernels of the
+chosen attention backend, e.g. flash-attn for `flash`; on a generation node the vLLM executor
+class the engine runs), which optional fusion kernels import (a training node
 that differs from the others would build another model: workers.trainer.kernels), whether it reads
 the file node 0 wrote in the run directory and can write its own there (node 0 then reads it),
 whether `model.path` and the checkpoint directory are readable / writable, and the free disk in the
@@ -134,6 +135,11 @@ def build_needs(cfg: Config, plan: plan_mod.Plan) -> dict[str, list[list[str]]]:
                                                "modules)"],
                   ["mamba_ssm", "megatron's Mamba mixer (\"MambaSSM is not installed\" at build)"],
                   ["causal_conv1d", "the Mamba layers' fused conv1d (mamba_ssm's training path calls it)"]]
+    if plan.device == "cuda":  # the attention backend's kernels (topology.train.attention_backend)
+        backend = cfg.topology.train.attention_backend
+        for need, why in kernels.ATTENTION_KERNELS[backend]:
+            if need not in {n for n, _ in train}:
+                train.append([need, f"{why}; or set topology.train.attention_backend=local"])
     executor = GeneratorConfig(model="-", device=plan.device, tensor_parallel=plan.generation_tp).executor_class()
     module, _, cls = executor.rpartition(".")
     return {"train": train, "generation": [[f"{module}:{cls}", "the vLLM executor the engine runs"]]}

@@ -157,6 +157,21 @@ def test_the_build_needs_of_the_reference_recipe_and_of_a_cpu_run():
                                                   "the vLLM executor the engine runs"]]}
 
 
+@pytest.mark.parametrize("model, backend, train", [
+    ("nemotron3_ultra", "flash", ["transformer_engine.pytorch", "mamba_ssm", "causal_conv1d", "flash_attn"]),
+    ("tiny_llama", "fused", ["transformer_engine.pytorch"]),
+    ("tiny_llama", "flash", ["transformer_engine.pytorch", "flash_attn"]),
+    ("tiny_llama", "local", [])])
+def test_a_cuda_training_node_is_probed_for_its_attention_backends_kernels(model, backend, train):
+    cfg = typed(compose.compose(["topology=ultra_6n4g", f"model={model}", f"topology.train.attention_backend={backend}"]))
+    needs = preflight.build_needs(cfg, plan_mod.build(cfg.topology))["train"]
+    assert [n for n, _ in needs] == train
+    why = dict((n, w) for n, w in needs)
+    if "flash_attn" in why:
+        assert why["flash_attn"] == ("attention_backend flash: the flash-attn package Transformer Engine's flash "
+                                     "attention runs; or set topology.train.attention_backend=local")
+
+
 def test_a_real_probe_imports_what_its_roles_need_and_each_failure_is_a_problem_line(setup):
     """A generation node (gpu-c) that lacks a package and one whose executor class is missing."""
     cfg, plan, ctx, _, folder = setup

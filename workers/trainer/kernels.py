@@ -47,6 +47,20 @@ FUSION_KERNELS: dict[str, tuple[str, ...]] = {
 }
 CPU_OFF = ("bias_activation_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion")
 TRANSFORMER_ENGINE = "transformer_engine.pytorch"
+# What each attention backend (topology.train.attention_backend) runs on cuda: Transformer Engine's
+# DotProductAttention picks the kernel megatron asks for (NVTE_FLASH_ATTN / NVTE_FUSED_ATTN /
+# NVTE_UNFUSED_ATTN, set by megatron's LanguageModule); its flash path calls the flash-attn package.
+# `local` is megatron's own attention (no kernel to install). The preflight probes these on every
+# training node (launcher.cluster.preflight.build_needs).
+ATTENTION_KERNELS: dict[str, tuple[tuple[str, str], ...]] = {
+    "fused": ((TRANSFORMER_ENGINE, "attention_backend fused: Transformer Engine's cuDNN attention"),),
+    "unfused": ((TRANSFORMER_ENGINE, "attention_backend unfused: Transformer Engine's attention"),),
+    "auto": ((TRANSFORMER_ENGINE, "attention_backend auto: Transformer Engine's attention"),),
+    "flash": ((TRANSFORMER_ENGINE, "attention_backend flash: Transformer Engine's attention"),
+              ("flash_attn", "attention_backend flash: the flash-attn package Transformer Engine's flash "
+                             "attention runs")),
+    "local": (),
+}
 # megatron's TE extension module prints a traceback when imported without TE: probe TE first
 _NEEDS_FIRST = {"megatron.core.extensions.transformer_engine": TRANSFORMER_ENGINE}
 
