@@ -163,7 +163,8 @@ def test_the_build_needs_of_the_reference_recipe_and_of_a_cpu_run():
     ("tiny_llama", "flash", ["transformer_engine.pytorch", "flash_attn"]),
     ("tiny_llama", "local", [])])
 def test_a_cuda_training_node_is_probed_for_its_attention_backends_kernels(model, backend, train):
-    cfg = typed(compose.compose(["topology=ultra_6n4g", f"model={model}", f"topology.train.attention_backend={backend}"]))
+    cfg = typed(compose.compose(["topology=ultra_6n4g", f"model={model}",
+                                 f"topology.train.attention_backend={backend}"]))
     needs = preflight.build_needs(cfg, plan_mod.build(cfg.topology))["train"]
     assert [n for n, _ in needs] == train
     why = dict((n, w) for n, w in needs)
