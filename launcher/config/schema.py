@@ -179,9 +179,14 @@ class ParameterCounts:
     parameters: Optional[int] = knob(None, Range(1, None, nullable=True), "every weight of the model")
     expert_parameters: Optional[int] = knob(None, Range(0, None, nullable=True), "of which routed experts")
     moe_layers: Optional[int] = knob(None, Range(1, 100_000, nullable=True),
-                                     "layers with routed experts; null: num_layers when there are experts")
+                                     "layers with routed experts; null: the layer pattern's MoE layers, else "
+                                     "num_layers when there are experts")
     attention_layers: Optional[int] = knob(None, Range(0, 100_000, nullable=True),
-                                           "layers with a KV cache; null: num_layers")
+                                           "layers with a KV cache; null: the layer pattern's attention layers, "
+                                           "else num_layers")
+    vocab_size: Optional[int] = knob(None, Range(1, 100_000_000, nullable=True),
+                                     "the embedding's rows: the logits' width in the trainer's activations; null: "
+                                     "the logits are not counted")
 
 
 # the model's facts (launcher.config.model_facts): null where a dry run could not read the checkpoint
