@@ -71,8 +71,8 @@ def _hf_config(recipe: dict, vocab_size: int, tokenizer):
         return cls(rms_norm_eps=1e-6, rope_theta=rope, **common, **r)
     if family == "qwen3":
         return transformers.Qwen3Config(rms_norm_eps=1e-6, rope_theta=rope, **common, **r)
-    if family == "qwen3_moe":  # every layer sparse (decoder_sparse_step 1), top-k probabilities renormalised
-        return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=rope, norm_topk_prob=True,
+    if family == "qwen3_moe":  # every layer sparse (decoder_sparse_step 1); the recipe says norm_topk_prob
+        return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=rope,
                                            decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                                            router_aux_loss_coef=0.001, **common, **r)
     if family == "nemotron_h":  # the recipe names its layer pattern, Mamba sizes and experts

@@ -144,10 +144,11 @@ BUILTIN_MODELS: dict[str, dict] = {
     # Qwen3: q/k RMSNorm per head
     "tiny_qwen3": dict(family="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    # Qwen3-MoE: 4 experts, top-2, on every layer (EP2 puts 2 on each rank); head_dim 32 for vLLM CPU
+    # Qwen3-MoE: 4 experts, top-2, on every layer (EP2 puts 2 on each rank), top-k probabilities
+    # renormalised as the published checkpoints; head_dim 32 for vLLM CPU
     "tiny_qwen3_moe": dict(family="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
-                           num_experts_per_tok=2, moe_intermediate_size=64),
+                           num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
 }
 
 
