@@ -71,8 +71,8 @@ def _hf_config(recipe: dict, vocab_size: int, tokenizer):
         return cls(rms_norm_eps=1e-6, rope_theta=rope, **common, **r)
     if family == "qwen3":
         return transformers.Qwen3Config(rms_norm_eps=1e-6, rope_theta=rope, **common, **r)
-    if family == "qwen3_moe":  # every layer sparse (decoder_sparse_step 1), top-k probabilities renormalised
-        return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=rope, norm_topk_prob=True,
+    if family == "qwen3_moe":  # every layer sparse (decoder_sparse_step 1); the recipe says norm_topk_prob
+        return transformers.Qwen3MoeConfig(rms_norm_eps=1e-6, rope_theta=rope,
                                            decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                                            router_aux_loss_coef=0.001, **common, **r)
     if family == "nemotron_h":  # the recipe names its layer pattern, Mamba sizes and experts
@@ -142,11 +142,73 @@ def _write(out: Path, stamp: dict, hf_config, tokenizer, seed: int, init_std: fl
     tokenizer.save_pretrained(tmp)
     if config_json is not None:  # the file as the publisher wrote it, not as this transformers re-serialises it
         (tmp / "config.json").write_text(json.dumps({**config_json, "torch_dtype": "float32"}, indent=2))
+    if getattr(cfg, "model_type", None) == "nemotron_h" and getattr(cfg, "num_nextn_predict_layers", 0):
+        _add_mtp_layers(tmp, cfg, init_std)
     (tmp / "tiny_model.json").write_text(json.dumps(stamp, indent=1))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def mtp_tensors(cfg, init_std: float) -> dict[str, torch.Tensor]:
+    """A Nemotron-H's MTP layers, random, in the names the published checkpoints use (and Megatron-Bridge's
+    NemotronHBridge maps, vLLM's NemotronHMTP loads); transformers 5 builds no MTP layers, so this writes
+    them. Each of the `num_nextn_predict_layers` steps is one layer per symbol of
+    `mtp_hybrid_override_pattern`, numbered on (`mtp.layers.<step * len(pattern) + j>.`), each a backbone
+    block of that kind (`norm`, `mixer.*`; experts one tensor each); a step's first layer also holds `enorm`
+    and `hnorm` (the norms of the token's embedding and of the previous hidden state) and `eh_proj`
+    ([hidden, 2 * hidden]: their concatenation back to the hidden width), its last `final_layernorm`."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock
+
+    pattern, depth, hidden = cfg.mtp_hybrid_override_pattern, cfg.num_nextn_predict_layers, cfg.hidden_size
+    blocks = transformers.NemotronHConfig(**{**cfg.to_dict(), "layers_block_type": cfg.mtp_layers_block_type * depth,
+                                             "num_nextn_predict_layers": 0})
+    out: dict[str, torch.Tensor] = {}
+    for i in range(depth * len(pattern)):
+        prefix = f"mtp.layers.{i}."
+        block = NemotronHBlock(blocks, layer_idx=i)
+        tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+        if i % len(pattern) == 0:
+            tensors.update({"enorm.weight": torch.empty(hidden), "hnorm.weight": torch.empty(hidden),
+                            "eh_proj.weight": torch.empty(hidden, 2 * hidden)})
+        if i % len(pattern) == len(pattern) - 1:
+            tensors["final_layernorm.weight"] = torch.empty(hidden)
+        for name, t in tensors.items():
+            t = _random_like(name, t.detach().clone().float(), init_std)
+            if name.startswith("mixer.experts."):   # fused [experts, out, in] in memory, one tensor per expert on disk
+                part = name.rsplit(".", 1)[1]
+                out.update({f"{prefix}mixer.experts.{e}.{part}.weight": t[e].contiguous() for e in range(len(t))})
+            else:
+                out[prefix + name] = t.contiguous()
+    return out
+
+
+def _random_like(name: str, t: torch.Tensor, init_std: float) -> torch.Tensor:
+    """What `_write` draws for a weight of this name (MTP layers: the same kinds of weights)."""
+    if t.dim() >= 2:
+        return t.normal_(0.0, init_std)
+    if "norm" in name and name.endswith("weight"):
+        return t.uniform_(0.8, 1.2)
+    if name.endswith("e_score_correction_bias"):
+        return t.normal_(0.0, 0.05)
+    if name.endswith("bias"):
+        return t.normal_(0.0, 0.05)
+    return t
+
+
+def _add_mtp_layers(directory: Path, cfg, init_std: float) -> None:
+    """Write `mtp_tensors` into the checkpoint's model.safetensors, and the MTP pattern into config.json in the
+    published spelling (mtp_hybrid_override_pattern, beside transformers' mtp_layers_block_type)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"{directory}: MTP layers are written into one model.safetensors (a tiny model's)")
+    save_file({**load_file(weights), **mtp_tensors(cfg, init_std)}, weights, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["mtp_hybrid_override_pattern"] = cfg.mtp_hybrid_override_pattern
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def main(argv=None):

@@ -19,8 +19,19 @@ normalises rope scaling to {rope_type, every parameter with HF's default filled 
 adds its own facts with a `Family.read` (kept under `model.family_facts`); what the training
 stack cannot honour is refused by launcher.config.model_rules. Nemotron-H's own facts: its layer
 pattern (either spelling: `hybrid_override_pattern`, or transformers 5's `layers_block_type`; it
-counts the layers, and only E layers have experts), Mamba-2 heads, head dim, groups and state, and
-its shared expert; the pattern and the sizes are shape facts too (`shape_keys`).
+counts the layers, and only E layers have experts), Mamba-2 heads, head dim, groups and state, its
+shared expert, LatentMoE's `moe_latent_size` (0: none), the routing scale, the MTP depth
+`num_nextn_predict_layers` (0: none) and pattern `mtp_hybrid_override_pattern` ("": none; or
+transformers 5's `mtp_layers_block_type`) and the norms' epsilon; the pattern, the sizes and the
+latent width are shape facts too (`shape_keys`).
+
+No key is dropped silently: the reader remembers every config.json key it looked at, and a key it did
+not read is compared with the default of the family's transformers config class
+(launcher.config.hf_classes, read from transformers' source): a value other than the default changes
+what the model computes and is refused, one line naming each such key (`unread_differences`). Keys
+the class does not define (its model reads none of them), its base class's (output flags, dtype,
+labels) and INERT_KEYS (token ids, initialisation, caches, schedules: the project's small table) are
+not compared.
 
 The family is HF's `model_type`. It is supported when (a) Megatron-Bridge registers a bridge for
 one of the checkpoint's `architectures` and (b) our LoRA layout knows the family
@@ -113,16 +124,25 @@ class Family:
 
 
 def _llama(r: "_Reader") -> dict:
-    return {"mlp_bias": r.flag("mlp_bias", False)}
+    return {"mlp_bias": r.flag("mlp_bias", False), "rms_norm_eps": r.number("rms_norm_eps", default=1e-6)}
 
 
 def _qwen(r: "_Reader") -> dict:
-    return {"use_sliding_window": r.flag("use_sliding_window", False)}
+    """use_sliding_window (refused when true: launcher.config.model_rules); the window's size and layers
+    matter only with it, and transformers 5 saves the per-layer attention kinds (layer_types) it implies."""
+    sliding = r.flag("use_sliding_window", False)
+    r.covers("sliding_window", "max_window_layers")
+    kinds = r.hf.get("layer_types")
+    if not sliding and kinds is not None and (not isinstance(kinds, list) or set(kinds) - {"full_attention"}):
+        raise r.error("layer_types", f"must be full_attention on every layer without use_sliding_window, got {kinds!r}")
+    return {"use_sliding_window": sliding, "rms_norm_eps": r.number("rms_norm_eps", default=1e-6)}
 
 
 def _qwen3_moe(r: "_Reader") -> dict:
+    """norm_topk_prob: the routed top-k probabilities renormalised to 1 (Megatron-Bridge maps it to the
+    router's pre-softmax); Qwen3MoeConfig's default is false, the published checkpoints say true."""
     return {**_qwen(r), "decoder_sparse_step": r.positive("decoder_sparse_step", default=1),
-            "mlp_only_layers": r.int_list("mlp_only_layers")}
+            "mlp_only_layers": r.int_list("mlp_only_layers"), "norm_topk_prob": r.flag("norm_topk_prob", False)}
 
 
 # Nemotron-H (hybrid): one symbol per layer, megatron's and the published hybrid_override_pattern's
@@ -131,43 +151,82 @@ def _qwen3_moe(r: "_Reader") -> dict:
 HYBRID_SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
 _BLOCK_SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
                   "moe": "E"}
+# the MTP depth and pattern add tensors (mtp.layers.*) but change no shape the trainer builds or an adapter
+# holds (the trainer builds no MTP layers: docs/nemotron_h.md), so they are facts but not shape facts
 NEMOTRON_H_SHAPES = ("hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
-                     "moe_shared_expert_intermediate_size")
+                     "moe_shared_expert_intermediate_size", "moe_latent_size")
+# what NemotronHConfig defines for its E layers only, and for its M layers only: nothing where the
+# pattern has none (transformers writes them for every model)
+_NEMOTRON_H_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                        "moe_shared_expert_intermediate_size", "moe_latent_size", "routed_scaling_factor", "n_group",
+                        "topk_group", "norm_topk_prob", "moe_shared_expert_overlap")
+_NEMOTRON_H_MAMBA_KEYS = ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "expand",
+                          "mamba_hidden_act", "use_conv_bias", "mamba_proj_bias", "chunk_size", "time_step_min",
+                          "time_step_max", "time_step_limit", "time_step_floor", "mamba_ssm_cache_dtype")
+# NemotronHConfig's MTP layers when config.json names none (its mtp_layers_block_type default)
+NEMOTRON_H_MTP_DEFAULT = "*E"
 
 
-def _hybrid_pattern(r: "_Reader") -> str:
-    """The layer pattern, from either spelling (it also counts the layers)."""
-    pattern, blocks = r.hf.get("hybrid_override_pattern"), r.hf.get("layers_block_type")
+def _hybrid_pattern(r: "_Reader", pattern_key: str = "hybrid_override_pattern",
+                    list_key: str = "layers_block_type", default: Optional[str] = None) -> str:
+    """The layer pattern, from either spelling (it also counts the layers); the MTP layers' pattern with
+    the MTP keys (`default`: what transformers assumes where both are absent)."""
+    pattern, blocks = r.hf.get(pattern_key), r.hf.get(list_key)
     if pattern is not None:
         if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
-            raise r.error("hybrid_override_pattern", f"must be a string of {''.join(HYBRID_SYMBOLS)} (one per "
-                                                     f"layer), got {pattern!r}")
+            raise r.error(pattern_key, f"must be a string of {''.join(HYBRID_SYMBOLS)} (one per "
+                                       f"layer), got {pattern!r}")
         return pattern
     if blocks is None:
-        raise r.error("hybrid_override_pattern", "is missing (a Nemotron-H config.json names its layers: "
-                                                 "hybrid_override_pattern or layers_block_type)")
+        if default is not None:
+            return default
+        raise r.error(pattern_key, f"is missing (a Nemotron-H config.json names its layers: "
+                                   f"{pattern_key} or {list_key})")
     if not isinstance(blocks, list) or not blocks or not all(isinstance(b, str) and b in _BLOCK_SYMBOLS
                                                              for b in blocks):
-        raise r.error("layers_block_type", f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, got {blocks!r}")
+        raise r.error(list_key, f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, got {blocks!r}")
     return "".join(_BLOCK_SYMBOLS[b] for b in blocks)
+
+
+def _mtp(r: "_Reader") -> tuple[int, str]:
+    """(MTP depth, the pattern of one MTP step; "" without MTP). Published configs spell the pattern
+    mtp_hybrid_override_pattern, transformers 5 saves mtp_layers_block_type (written for every model,
+    MTP or not); NemotronHConfig assumes attention + MoE where the depth is > 0 and both are absent."""
+    depth = r.count("num_nextn_predict_layers")
+    if not depth:
+        r.covers("mtp_hybrid_override_pattern", "mtp_layers_block_type")
+        return 0, ""
+    return depth, _hybrid_pattern(r, "mtp_hybrid_override_pattern", "mtp_layers_block_type", NEMOTRON_H_MTP_DEFAULT)
 
 
 def _nemotron_h_facts(r: "_Reader") -> dict:
     """The layer pattern, Mamba-2 heads / head dim / groups / state (where it has M layers; n_groups as
     NemotronHConfig defaults it), shared experts (where it has E layers: transformers builds one
-    shared expert of moe_shared_expert_intermediate_size per MoE layer)."""
+    shared expert of moe_shared_expert_intermediate_size per MoE layer), LatentMoE's latent width (0:
+    none), the routing scale, the MTP depth and pattern (0, "": none), the norms' epsilon."""
     pattern = _hybrid_pattern(r)
-    heads = r.positive("mamba_num_heads") if "M" in pattern else 0
+    depth, mtp_pattern = _mtp(r)
+    every = pattern + mtp_pattern   # the MTP layers are built from the same numbers
+    heads = r.positive("mamba_num_heads") if "M" in every else 0
+    if not heads:
+        r.covers(*_NEMOTRON_H_MAMBA_KEYS)
     groups = r.positive("n_groups", default=8) if heads else 0
     if heads and heads % groups:
         raise r.error("n_groups", f"{groups} must divide mamba_num_heads {heads}")
-    moe = "E" in pattern
+    moe = "E" in every
+    if not moe:
+        r.covers(*_NEMOTRON_H_MOE_KEYS)
     return {"hybrid_override_pattern": pattern, "mamba_num_heads": heads,
             "mamba_head_dim": r.positive("mamba_head_dim") if heads else 0, "n_groups": groups,
             "ssm_state_size": r.positive("ssm_state_size") if heads else 0,
             "n_shared_experts": r.count("n_shared_experts", default=1) if moe else 0,
             "moe_shared_expert_intermediate_size":
-                r.positive("moe_shared_expert_intermediate_size", default=7688) if moe else 0}
+                r.positive("moe_shared_expert_intermediate_size", default=7688) if moe else 0,
+            # LatentMoE: the routed experts compute in this width, between fc1_latent_proj and fc2_latent_proj
+            "moe_latent_size": r.count("moe_latent_size") if moe else 0,
+            "routed_scaling_factor": float(r.number("routed_scaling_factor", default=1.0)) if moe else 1.0,
+            "num_nextn_predict_layers": depth, "mtp_hybrid_override_pattern": mtp_pattern,
+            "layer_norm_epsilon": float(r.number("layer_norm_epsilon", default=1e-5))}
 
 
 def _nemotron_h(r: "_Reader", common: dict) -> dict:
@@ -255,7 +314,58 @@ def read_hf(hf: Mapping[str, Any], where: str) -> tuple[ModelFacts, list[str]]:
     if experts and not 1 <= topk <= experts:
         raise ConfigError("model.path", f"{where}: an MoE model needs num_experts_per_tok in "
                                         f"[1, {experts}], got {topk}")
-    return ModelFacts(**common, family_facts=kind.read(reader)), architectures
+    facts = ModelFacts(**common, family_facts=kind.read(reader))
+    unread = unread_differences(reader.hf, family)
+    if unread:
+        one = len(unread) == 1
+        raise ConfigError("model.path", f"{where}: {'; '.join(unread)}: this project does not read "
+                                        f"{'this key' if one else 'these keys'}, and a value other than transformers' "
+                                        f"default changes what the model computes (supported: the default)")
+    return facts, architectures
+
+
+# Keys of a family's config class that change nothing the trainer or vLLM compute from the weights (each
+# with why); the project's own table, kept small: transformers' base class's fields (output flags, dtype,
+# labels: launcher.config.hf_classes.generic_fields) and keys its class does not define need no entry.
+INERT_KEYS: dict[str, str] = {
+    "bos_token_id": "a token id (tokenizer and generation)", "eos_token_id": "a token id (tokenizer and generation)",
+    "pad_token_id": "a token id (tokenizer and generation)", "use_cache": "generation's KV cache",
+    "num_logits_to_keep": "how many logits generation computes", "vocab_size": "the embedding's rows: every part "
+                                                                               "reads the weights' shapes",
+    "initializer_range": "initialisation (the weights are loaded)",
+    "rescale_prenorm_residual": "initialisation (the weights are loaded)",
+    "time_step_max": "initialisation of Mamba's step sizes", "time_step_floor": "initialisation of Mamba's step sizes",
+    "time_step_min": "initialisation of Mamba's step sizes (transformers also clamps at it: docs/nemotron_h.md)",
+    "chunk_size": "the Mamba scan's block size: the same function computed in other blocks",
+    "use_mamba_kernels": "no effect in transformers 5", "mamba_ssm_cache_dtype": "generation's Mamba state cache",
+    "moe_shared_expert_overlap": "a schedule (the shared expert on a side stream); the trainer sets it",
+    "output_router_logits": "an extra output", "router_aux_loss_coef": "a training loss term (the trainer turns "
+                                                                        "the load-balancing loss off with LoRA)",
+}
+
+
+def unread_differences(hf: Mapping[str, Any], family: str) -> list[str]:
+    """'key value (transformers' default D)' for each key of `hf` (a `_Seen` after reading, or any config.json
+    content: then every key counts as unread) that the family's transformers class defines, the project did
+    not read, INERT_KEYS does not list, and whose value is not the class's default."""
+    from launcher.config import hf_classes
+
+    cls = hf_classes.hf_class(family)
+    if cls is None:
+        return []  # transformers is not installed here (a laptop planning a cluster run), or no such class
+    seen = getattr(hf, "seen", set())
+    generic = hf_classes.generic_fields()
+    values, out = dict(hf), []
+    for key in sorted(values):
+        name = cls.field_of(key)
+        if key in seen or key in INERT_KEYS or key in generic or name is None or name in INERT_KEYS:
+            continue
+        default = cls.defaults[name]
+        if default is hf_classes.COMPUTED or hf_classes.same(values[key], default):
+            continue
+        spelled = "" if name == key else f", another name of {name}"
+        out.append(f"{key} {json.dumps(values[key])} ({cls.name}'s default {json.dumps(default)}{spelled})")
+    return out
 
 
 def _rope(r: "_Reader", max_positions: Optional[int]) -> tuple[float, dict]:
@@ -287,9 +397,35 @@ def _rope(r: "_Reader", max_positions: Optional[int]) -> tuple[float, dict]:
     return theta, out
 
 
+class _Seen(dict):
+    """config.json's content, remembering every key the reader looked at (launcher.config.model_facts reads
+    a key -> a fact, checked by the rules; a key nothing looked at is compared with transformers' default)."""
+
+    def __init__(self, hf: Mapping[str, Any]):
+        super().__init__(hf)
+        self.seen: set[str] = set()
+
+    def get(self, key, default=None):
+        self.seen.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.seen.add(key)
+        return super().__contains__(key)
+
+
 class _Reader:
     def __init__(self, hf: Mapping[str, Any], where: str):
-        self.hf, self.where = hf, where
+        self.hf, self.where = _Seen(hf), where
+
+    def covers(self, *keys: str) -> None:
+        """`keys` are accounted for without being read: they change nothing in this model (e.g. the MoE
+        numbers of a Nemotron-H without E layers)."""
+        self.hf.seen.update(keys)
 
     def error(self, key: str, what: str) -> ConfigError:
         return ConfigError("model.path", f"{self.where}: {key} {what}")

@@ -161,13 +161,26 @@ BUILTIN_MODELS: dict[str, dict] = {
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=48,
                                   hybrid_override_pattern="M*-M*-", mamba_num_heads=8, mamba_head_dim=16,
                                   ssm_state_size=16, n_groups=2, chunk_size=16),
+    # Nemotron 3 as released (Super/Ultra): Ultra-style layers M E M * E (Mamba-2 and MoE alternating,
+    # attention before the last MoE); LatentMoE: 16 routed relu2 experts, top-4, computing in a latent width
+    # of 32 (a quarter of hidden, as published) between fc1_latent_proj and fc2_latent_proj, a sigmoid router
+    # with an expert bias and a routing scale, + 1 shared expert at full width; one MTP step of an attention
+    # and an MoE layer (mtp.layers.*, as published). 8 attention heads of 32 in 2 KV groups; Mamba: 8 heads
+    # x 16 in 2 groups, state 16, chunk 16. TP2, EP2 and ultra_6n4g's TP2 / EP16 / TP8 engine divide it.
+    "tiny_nemotron3": dict(family="nemotron_h", hidden_size=128, intermediate_size=256, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=32, hybrid_override_pattern="MEM*E",
+                           mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
+                           n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, moe_latent_size=32,
+                           moe_shared_expert_intermediate_size=128, n_shared_experts=1, routed_scaling_factor=2.5,
+                           num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E"),
     # Qwen3: q/k RMSNorm per head
     "tiny_qwen3": dict(family="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    # Qwen3-MoE: 4 experts, top-2, on every layer (EP2 puts 2 on each rank); head_dim 32 for vLLM CPU
+    # Qwen3-MoE: 4 experts, top-2, on every layer (EP2 puts 2 on each rank), top-k probabilities
+    # renormalised as the published checkpoints; head_dim 32 for vLLM CPU
     "tiny_qwen3_moe": dict(family="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
-                           num_experts_per_tok=2, moe_intermediate_size=64),
+                           num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
 }
 
 

@@ -47,7 +47,8 @@ def test_qwen3_moe_facts(tmp_path):
         family="qwen3_moe", num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
         num_experts=128, moe_router_topk=8, ffn_hidden_size=0, moe_ffn_hidden_size=768, tie_word_embeddings=False,
         qkv_bias=False, qk_norm=True, rope_theta=10000.0, rope_scaling={}, max_position_embeddings=None,
-        family_facts={"use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": []})
+        family_facts={"use_sliding_window": False, "rms_norm_eps": 1e-6, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "norm_topk_prob": False})
 
 
 def test_dense_defaults_head_dim_and_groups(tmp_path):
@@ -321,3 +322,48 @@ def test_the_job_refuses_a_checkpoint_changed_since_submission(tmp_path):
         models.ensure(cfg)
     assert str(e.value) == (f"model.path: {d}/config.json no longer says what the run's config.yaml ({d}/config.json) "
                             f"says: hidden_size 2048 -> 1024 (the checkpoint changed since submission: submit again)")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "nemotron_h"])
+def test_transformers_config_classes_read_from_source_are_the_classes(family):
+    """launcher.config.hf_classes reads each family's config class without importing it (torch): its
+    fields, defaults and other names equal the imported class's own."""
+    import dataclasses
+    import math
+
+    import transformers
+
+    from launcher.config import hf_classes
+
+    real = transformers.CONFIG_MAPPING[family]
+    read = hf_classes.hf_class(family)
+    assert read.name == real.__name__
+    base = {f.name for f in dataclasses.fields(transformers.PreTrainedConfig)}
+    fields = {f.name: f for f in dataclasses.fields(real) if f.name not in base}
+    assert set(read.defaults) == set(fields)
+    for name, f in fields.items():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        got = read.defaults[name]
+        if got is hf_classes.COMPUTED:
+            continue
+        if isinstance(default, tuple):
+            default = list(default)
+        assert got == default or (isinstance(got, list) and all(
+            a == b or (math.isinf(a) and a == b) for a, b in zip(got, default))), name
+    assert {k: v for k, v in read.aliases.items() if k in real.attribute_map} == dict(real.attribute_map)
+    assert base <= hf_classes.generic_fields()
+
+
+def test_an_unread_key_is_compared_with_its_class_default_in_every_family():
+    """The mechanism is the family's class, not a list per model: hidden_act is read by no fact of llama's."""
+    from tests.helpers import published_models as pm
+
+    for name, make in pm.PUBLISHED.items():
+        cfg = make()
+        model_facts.read_hf(cfg, name)   # as published: accepted
+        with pytest.raises(ConfigError, match=r"hidden_act \"gelu\" \(\w+Config's default \"silu\"\)"):
+            model_facts.read_hf({**cfg, "hidden_act": "gelu"}, name)
+    qwen2 = pm.qwen2_5_0_5b_instruct()
+    with pytest.raises(ConfigError, match="layer_types must be full_attention on every layer without "
+                                          "use_sliding_window"):
+        model_facts.read_hf({**qwen2, "layer_types": ["full_attention", "sliding_attention"]}, "x")

@@ -23,6 +23,20 @@ NANO_30B = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h
             "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 1856,
             "moe_shared_expert_intermediate_size": 3712, "vocab_size": 131072}
 BLOCKS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
+# nvidia/NVIDIA-Nemotron-3-Super-120B-A12B's config.json, the keys the released architecture adds to
+# Nano's (as published): LatentMoE (moe_latent_size 1024 of hidden 4096, 512 routed experts top-22 of
+# width 2688, a shared expert of 5376, routing scale 5.0) and one MTP step of an attention and an MoE
+# layer (num_nextn_predict_layers 1, mtp_hybrid_override_pattern "*E"); the layer pattern is Super's
+# first layers (Mamba and MoE alternating, then attention).
+SUPER_120B = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4096,
+              "hybrid_override_pattern": "MEMEMEM*E", "num_attention_heads": 32, "num_key_value_heads": 2,
+              "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+              "conv_kernel": 4, "chunk_size": 128, "n_routed_experts": 512, "num_experts_per_tok": 22,
+              "moe_intermediate_size": 2688, "moe_latent_size": 1024, "moe_shared_expert_intermediate_size": 5376,
+              "n_shared_experts": 1, "routed_scaling_factor": 5.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+              "mlp_hidden_act": "relu2", "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E",
+              "layer_norm_epsilon": 1e-5, "time_step_min": 0.001, "partial_rotary_factor": 1.0, "rope_theta": 10000,
+              "vocab_size": 131072, "max_position_embeddings": 262144}
 
 
 def checkpoint(tmp_path: Path, config: dict, name: str = "ckpt") -> Path:
@@ -38,9 +52,84 @@ def test_published_nemotron_h_facts(tmp_path):
     assert (facts.rope_theta, facts.rope_scaling) == (None, {})  # no rotary embedding
     assert facts.family_facts == {"hybrid_override_pattern": NANO_30B["hybrid_override_pattern"],
                                   "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
-                                  "n_shared_experts": 1, "moe_shared_expert_intermediate_size": 3712}
+                                  "n_shared_experts": 1, "moe_shared_expert_intermediate_size": 3712,
+                                  "moe_latent_size": 0, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
+                                  "mtp_hybrid_override_pattern": "", "layer_norm_epsilon": 1e-5}
     pattern = facts.family_facts["hybrid_override_pattern"]
     assert (pattern.count("M"), pattern.count("E"), pattern.count("*")) == (23, 23, 6)
+
+
+def test_latent_moe_and_mtp_of_the_released_architecture_are_facts(tmp_path):
+    facts, _ = model_facts.read(checkpoint(tmp_path, SUPER_120B))
+    f = facts.family_facts
+    assert (f["moe_latent_size"], f["num_nextn_predict_layers"], f["mtp_hybrid_override_pattern"]) == (1024, 1, "*E")
+    assert (f["routed_scaling_factor"], facts.num_experts, facts.moe_router_topk, facts.num_layers) == (5.0, 512, 22, 9)
+    # the latent width decides the routed experts' shapes; the MTP layers no shape the trainer builds
+    assert "family_facts.moe_latent_size" in model_facts.shape_keys("nemotron_h")
+    assert "family_facts.num_nextn_predict_layers" not in model_facts.shape_keys("nemotron_h")
+
+
+def test_mtp_pattern_in_each_spelling_and_transformers_default():
+    """transformers 5 saves mtp_layers_block_type (for every model, MTP or not); NemotronHConfig assumes an
+    attention and an MoE layer where the depth is > 0 and neither spelling is there."""
+    import transformers
+
+    saved = {k: v for k, v in SUPER_120B.items() if k != "mtp_hybrid_override_pattern"}
+    listed = {**saved, "mtp_layers_block_type": ["attention", "moe", "moe"]}
+    assert model_facts.read_hf(listed, "t5")[0].family_facts["mtp_hybrid_override_pattern"] == "*EE"
+    assert model_facts.read_hf(saved, "x")[0].family_facts["mtp_hybrid_override_pattern"] == "*E" \
+        == transformers.NemotronHConfig(num_nextn_predict_layers=1).mtp_hybrid_override_pattern
+    without = {**saved, "num_nextn_predict_layers": 0, "mtp_layers_block_type": ["full_attention", "moe"]}
+    f = model_facts.read_hf(without, "x")[0].family_facts
+    assert (f["num_nextn_predict_layers"], f["mtp_hybrid_override_pattern"]) == (0, "")
+
+
+def test_no_latent_size_is_zero_and_a_dense_hybrid_ignores_one():
+    nano = model_facts.read_hf(NANO_30B, "x")[0].family_facts
+    assert nano["moe_latent_size"] == 0 and nano["num_nextn_predict_layers"] == 0
+    dense = {**SUPER_120B, "hybrid_override_pattern": "M*-", "mtp_hybrid_override_pattern": "*-"}
+    assert model_facts.read_hf(dense, "x")[0].family_facts["moe_latent_size"] == 0   # no E layer computes in it
+
+
+@pytest.mark.parametrize("change, message", [
+    # NemotronHConfig defines them, the project reads none of them: a value other than the default is refused
+    ({"mamba_proj_bias": True}, "mamba_proj_bias true (NemotronHConfig's default false)"),
+    ({"norm_topk_prob": False}, "norm_topk_prob false (NemotronHConfig's default true)"),
+    ({"use_conv_bias": False, "n_group": 4}, "n_group 4 (NemotronHConfig's default 1); use_conv_bias false "
+                                             "(NemotronHConfig's default true): this project does not read these keys"),
+    # a legacy spelling transformers still renames is read as its field, and the project reads n_groups only
+    ({"mamba_n_groups": 4}, "mamba_n_groups 4 (NemotronHConfig's default 8, another name of n_groups)"),
+    ({"time_step_limit": [0.001, 100.0]}, "time_step_limit [0.001, 100.0] (NemotronHConfig's default [0.0, Infinity])"),
+    ({"mtp_hybrid_override_pattern": "*X"}, "mtp_hybrid_override_pattern must be a string of M*-E (one per layer)"),
+    ({"moe_latent_size": -1}, "moe_latent_size must be an integer >= 0, got -1"),
+])
+def test_an_unknown_key_that_changes_the_model_is_refused_in_one_line(tmp_path, change, message):
+    with pytest.raises(ConfigError) as e:
+        model_facts.read(checkpoint(tmp_path, {**SUPER_120B, **change}))
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"model.path: {tmp_path / 'ckpt' / 'config.json'}: ")
+
+
+@pytest.mark.parametrize("change", [
+    {"time_step_limit": [0.0, {"__float__": "Infinity"}]},   # the default, as transformers writes infinity
+    {"initializer_range": 0.5, "rescale_prenorm_residual": False, "time_step_min": 0.01, "chunk_size": 64,
+     "bos_token_id": 7, "use_cache": False, "moe_shared_expert_overlap": False},   # they change no function
+    {"rope_theta": 500000.0, "auto_map": {"AutoConfig": "x"}, "torch_dtype": "bfloat16"},   # not NemotronHConfig's
+    {"mamba_proj_bias": False, "conv_kernel": 4, "residual_in_fp32": False},   # transformers' defaults
+    {"hybrid_override_pattern": "M*-", "moe_latent_size": 64, "n_group": 8, "norm_topk_prob": False,
+     "mtp_hybrid_override_pattern": "*-"},   # MoE numbers of a model without E layers change nothing
+])
+def test_keys_that_change_nothing_are_accepted(change):
+    model_facts.read_hf({**SUPER_120B, **change}, "x")
+
+
+def test_the_launcher_resolves_latent_and_mtp_facts_by_model_path(tmp_path):
+    from launcher.config.compose import compose
+
+    d = checkpoint(tmp_path, SUPER_120B)
+    m = compose([f"model.path={d}"]).model
+    assert (m.family_facts.moe_latent_size, m.family_facts.num_nextn_predict_layers,
+            m.family_facts.mtp_hybrid_override_pattern) == (1024, 1, "*E")
 
 
 def test_transformers_5_layer_list_is_the_same_pattern(tmp_path):

@@ -9,7 +9,8 @@ is listed with what it does and why in that module's docstring:
   megatron.py    megatron-core / Megatron-Bridge: the import hook (Transformer Engine, triton and
                  mamba_ssm stand-ins handed to megatron's importers only), causal mask, the bridge's
                  TE probe, MoE dispatcher streams, torch norms under sequence parallelism, the
-                 hybrid (Mamba) stack's final norm, the RNG states activation recompute keeps
+                 hybrid (Mamba) stack's final norm, the RNG states activation recompute keeps,
+                 LatentMoE's projections without TE
   mamba.py       a pure-torch stand-in for the three mamba_ssm entry points megatron's Mamba mixer
                  imports (SSD chunk scan, fused split-conv1d-scan, gated group RMSNorm)
   vllm.py        vLLM CPU: MoE weight reloads, LoRA on MoE bases, non-gated (relu2) MoE experts,
@@ -59,6 +60,7 @@ def apply(device: str) -> list[str]:
     megatron.hybrid_final_norm()
     megatron.recompute_rng()
     megatron.no_fp8_checkpoint()
+    megatron.moe_latent_projections()
     return list(APPLIED)
 
 

@@ -54,6 +54,15 @@
                     `self.fp8 = fp8 is not None`, so its default fp8=False reads as fp8 on and the
                     forward calls Transformer Engine's FP8GlobalStateManager, a NameError without
                     TE. Without TE there is no fp8: the flag is set to what was asked (bool(fp8)).
+  moe_latent_proj   LatentMoE (Nemotron 3 Super/Ultra: `moe_latent_size`): MoELayer.__init__ builds the
+                    projections around the routed experts, fc1_latent_proj (hidden -> latent) and
+                    fc2_latent_proj (latent -> hidden), as Transformer Engine's TELinear with
+                    parallel_mode="duplicated", and asserts TE is installed. On CPU they are
+                    `LatentLinear`: a torch linear with TELinear's duplicated semantics (every TP rank
+                    holds the whole weight and applies it to its own tokens; the weight's grads are
+                    summed over TP under sequence parallelism and over data parallel ranks, replicated in
+                    checkpoints; Megatron-Bridge maps it as replicated). The layer's other use of TE
+                    (te_checkpoint) is for fp8 recompute only. On cuda TE's TELinear stays.
   hybrid_final_norm megatron/core/models/hybrid/hybrid_block.py builds the hybrid (Mamba) stack's
                     final norm as TENorm whatever the layer spec says; without Transformer Engine
                     that is a placeholder, so it becomes megatron's WrappedTorchNorm (the norm the
@@ -307,3 +316,58 @@ def no_fp8_checkpoint() -> None:
 
     random.CheckpointWithoutOutput.__init__ = __init__
     once("no_fp8_checkpoint")
+def _latent_linear_class():
+    """LatentLinear (made here: this module imports torch only once the shim applies)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    class LatentLinear(torch.nn.Linear):
+        """TELinear(parallel_mode="duplicated") without Transformer Engine (LatentMoE's projections)."""
+
+        tensor_model_parallel = False   # Megatron-Bridge's AutoMapping: a replicated weight
+
+        def __init__(self, input_size: int, output_size: int, *, parallel_mode, config, init_method, bias: bool,
+                     skip_bias_add: bool, skip_weight_param_allocation: bool, is_expert: bool = False,
+                     name=None, **_ignored):
+            if parallel_mode != "duplicated" or is_expert or skip_weight_param_allocation:
+                raise ValueError(f"LatentLinear stands in for a duplicated, non-expert TELinear only "
+                                 f"(parallel_mode {parallel_mode!r}, is_expert {is_expert})")
+            super().__init__(input_size, output_size, bias=bias, dtype=config.params_dtype)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    init_method(self.weight)
+                    if bias:
+                        self.bias.zero_()
+            self.config, self.return_bias = config, skip_bias_add and bias
+            for param in self.parameters():
+                param.allreduce = True                                  # summed over data parallel ranks
+                param.sequence_parallel = config.sequence_parallel    # each TP rank saw its own tokens
+                param.tensor_model_parallel = False
+
+        def forward(self, x):
+            if self.return_bias:
+                return F.linear(x, self.weight), self.bias
+            return super().forward(x), None
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """Replicated over TP and DP, as TELinear's duplicated mode."""
+            from megatron.core import parallel_state
+
+            dp_cp = (metadata or {}).get("dp_cp_group")
+            groups = {} if dp_cp is None else {"tp_group": parallel_state.get_tensor_model_parallel_group(),
+                                               "dp_cp_group": dp_cp}
+            return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None,
+                                                       sharded_offsets, **groups)
+
+    return LatentLinear
+
+
+def moe_latent_projections() -> None:
+    if "moe_latent_proj" in APPLIED:
+        return
+    import megatron.core.transformer.moe.moe_layer as moe_layer
+
+    moe_layer.TELinear = _latent_linear_class()
+    moe_layer.HAVE_TE = True   # read only by the latent projections' assert (te_checkpoint: fp8 only)
+    once("moe_latent_proj")

@@ -93,6 +93,7 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     facts = cfg.facts  # the run's facts (config.yaml): what Megatron must build, and vLLM loads
     facts_from = (cfg.model or {}).get("facts_from") or f"{cfg.model_path}/config.json"
     bridge = AutoBridge.from_hf_pretrained(cfg.model_path)  # no dtype=: it leaks into the tokenizer
+    provider_facts.without_mtp(bridge)  # GRPO trains the model, not its MTP layers (docs/nemotron_h.md)
     provider = bridge.to_megatron_provider(load_weights=True)
     # the layout, MoE, recompute, attention and fusion settings (workers.trainer.provider_settings)
     provider_settings.apply(provider, cfg, is_cpu, have_te=_have_transformer_engine())

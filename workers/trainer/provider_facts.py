@@ -12,7 +12,14 @@ differs: a checkpoint changed since submission, or a Bridge mapping this module 
 stops the trainer at start-up instead of training another model than vLLM generates with.
 
 `PROVIDER_KEYS` says which provider attribute holds each fact, per family (a family's own facts as
-`family_facts.<key>`); a family that is not listed is checked on nothing but its rope.
+`family_facts.<key>`; `not <attr>` where the provider holds the opposite); a family that is not listed
+is checked on nothing but its rope.
+
+MTP layers (Nemotron 3 Super/Ultra: `num_nextn_predict_layers`, `mtp_hybrid_override_pattern`): the
+bridge builds them from config.json and megatron then adds their loss (0.3 x the cross-entropy of the
+next tokens over every position, prompt and padding included) to the gradient, which reaches the LoRA
+adapters: another objective than GRPO's. The trainer builds none (`without_mtp`, before the provider is
+made: docs/nemotron_h.md), and `check` names a provider that would.
 """
 
 from __future__ import annotations
@@ -25,18 +32,35 @@ from launcher.config.model_facts import ModelFacts
 GPT_KEYS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
             "num_query_groups": "num_query_groups", "head_dim": "kv_channels", "ffn_hidden_size": "ffn_hidden_size",
             "tie_word_embeddings": "share_embeddings_and_output_weights", "qkv_bias": "add_qkv_bias",
-            "qk_norm": "qk_layernorm", "rope_theta": "rotary_base"}
+            "qk_norm": "qk_layernorm", "rope_theta": "rotary_base", "family_facts.rms_norm_eps": "layernorm_epsilon"}
 MOE_KEYS = {"num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
             "moe_ffn_hidden_size": "moe_ffn_hidden_size",
-            "family_facts.moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"}
+            "family_facts.moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+            # LatentMoE's width (0: none; megatron's None) and the routing scale (Nemotron-H)
+            "family_facts.moe_latent_size": "moe_latent_size",
+            "family_facts.routed_scaling_factor": "moe_router_topk_scaling_factor"}
 # Nemotron-H (HybridModelProvider): no rotary embedding (its provider keeps a rotary_base it never
 # uses), the layer pattern and the Mamba-2 sizes (Megatron-Bridge's NemotronHBridge.CONFIG_MAPPING)
 MAMBA_KEYS = {"family_facts.mamba_num_heads": "mamba_num_heads", "family_facts.mamba_head_dim": "mamba_head_dim",
               "family_facts.n_groups": "mamba_num_groups", "family_facts.ssm_state_size": "mamba_state_dim"}
-HYBRID_KEYS = {**{k: v for k, v in GPT_KEYS.items() if k != "rope_theta"}, **MOE_KEYS, **MAMBA_KEYS,
-               "family_facts.hybrid_override_pattern": "hybrid_layer_pattern"}
+HYBRID_KEYS = {**{k: v for k, v in GPT_KEYS.items() if k not in ("rope_theta", "family_facts.rms_norm_eps")},
+               **MOE_KEYS, **MAMBA_KEYS, "family_facts.hybrid_override_pattern": "hybrid_layer_pattern",
+               "family_facts.layer_norm_epsilon": "layernorm_epsilon"}
+QWEN3_MOE_KEYS = {**GPT_KEYS, **MOE_KEYS,
+                  # Qwen3-MoE renormalises the top-k probabilities where megatron's router does not
+                  # take the softmax before the top-k (Megatron-Bridge's Qwen3MoeBridge)
+                  "family_facts.norm_topk_prob": "not moe_router_pre_softmax"}
 PROVIDER_KEYS: dict[str, dict[str, str]] = {"llama": GPT_KEYS, "qwen2": GPT_KEYS, "qwen3": GPT_KEYS,
-                                            "qwen3_moe": {**GPT_KEYS, **MOE_KEYS}, "nemotron_h": HYBRID_KEYS}
+                                            "qwen3_moe": QWEN3_MOE_KEYS, "nemotron_h": HYBRID_KEYS}
+
+
+def without_mtp(bridge: Any) -> None:
+    """No MTP layers in what `bridge` (an AutoBridge) builds and maps: their depth is 0 on the HF config it
+    reads (Megatron-Bridge's own switch for a model built without them: the provider gets mtp_num_layers 0
+    and no MTP pattern, the mapping registry no mtp.* entries). The checkpoint keeps them for vLLM."""
+    config = bridge.hf_pretrained.config
+    if getattr(config, "num_nextn_predict_layers", 0):
+        config.num_nextn_predict_layers = 0
 
 
 def apply(provider: Any, facts: ModelFacts) -> None:
@@ -84,6 +108,9 @@ def check(provider: Any, facts: ModelFacts) -> list[str]:
             continue  # no Mamba layers: Megatron's Mamba fields are unused
         if not _same(want, got):
             out.append(f"{fact}: the run's {want!r}, Megatron's {attr} {got!r}")
+    if getattr(provider, "mtp_num_layers", None):
+        out.append(f"MTP: the trainer builds no MTP layers (docs/nemotron_h.md), Megatron's mtp_num_layers "
+                   f"{provider.mtp_num_layers!r}")
     if facts.rope_theta is not None:
         for attr, want in expected_rope(facts).items():
             got = getattr(provider, attr, None)
@@ -93,9 +120,13 @@ def check(provider: Any, facts: ModelFacts) -> list[str]:
 
 
 def _provider_value(provider: Any, attr: str) -> Any:
+    if attr.startswith("not "):
+        return not getattr(provider, attr[4:], None)
     value = getattr(provider, attr, None)
     if attr == "hybrid_layer_pattern" and isinstance(value, str):
         return value.split("/")[0]  # finalize() appends the MTP layers' pattern after megatron's "/"
+    if attr == "moe_latent_size":
+        return value or 0           # megatron's None: no latent projections
     return value
 
 
