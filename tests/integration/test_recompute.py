@@ -3,15 +3,16 @@
 full gives the loss and the gradient of every trained weight that it gives with none.
 
 Full fine-tuning (peft.enabled=false), so that every module's backward runs through the recomputed
-activations and has a gradient to compare: the tiny Nemotron-H (Mamba-2, attention, MLP and MoE
-layers with a shared expert: each of selective's modules has something to recompute; the hybrid
-stack's full recompute) and the tiny llama (the transformer block's full recompute). The loss has
+activations and has a gradient to compare: the tiny Nemotron 3 (Mamba-2, attention and LatentMoE
+layers with a shared expert: moe, shared_experts, layernorm and core_attn have something to
+recompute; the hybrid stack's full recompute; its MTP layers are not built) and the tiny llama
+(its MLP for `mlp`, the transformer block's full recompute). The loss has
 a KL term against fixed reference logprobs, so that its value depends on the model's logprobs (the
 clipped ratio term alone is the same at step 0 whatever the weights). On CPU
 selective leaves out `moe_act` (megatron-core allows it only with grouped GEMM experts, a
 Transformer Engine kernel: tests/unit/test_provider_settings.py). tests/gpu checks the same on CUDA.
 
-One child process builds the five trainers (megatron is imported there, not in pytest's process,
+One child process builds the six trainers (megatron is imported there, not in pytest's process,
 and its parallel state is per process): about half a minute here, no Ray.
 """
 
@@ -46,7 +47,7 @@ for row, (start, end) in enumerate([(4, 24), (5, 17), (6, 20)]):
 batch = {"input_ids": ids, "loss_mask": mask, "advantages": torch.tensor([1.0, -0.8, 0.5])}
 out, addr = {}, port()
 for name, path in json.loads(sys.argv[2]).items():
-    for recompute in ("none", "selective", "full") if name == "nemotron_h" else ("none", "full"):
+    for recompute in ("none", "selective", "full"):
         cfg = TrainerConfig.from_sections(path, parallel={"recompute": recompute}, peft={"enabled": False},
                                           optim={"lr": 1e-3, "min_lr": 1e-3}, loss={"reference_policy_kl_penalty": 0.1},
                                           device="cpu", seed=11, max_num_steps=5)
@@ -73,14 +74,15 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report(tiny_model):
-    paths = {"nemotron_h": str(tiny_model("tiny_nemotron_h")), "llama": str(tiny_model())}
+    paths = {"nemotron3": str(tiny_model("tiny_nemotron3")), "llama": str(tiny_model())}
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO), json.dumps(paths)], capture_output=True, text=True,
                        timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model, recompute", [("nemotron_h", "selective"), ("nemotron_h", "full"), ("llama", "full")])
+@pytest.mark.parametrize("model", ["nemotron3", "llama"])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recompute_gives_the_loss_and_gradients_of_none(report, model, recompute):
     got, base = report[f"{model} {recompute}"], report[f"{model} none"]
     assert got["granularity"] == recompute and base["granularity"] is None
