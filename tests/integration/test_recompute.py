@@ -49,11 +49,13 @@ out, addr = {}, port()
 for name, path in json.loads(sys.argv[2]).items():
     for recompute in ("none", "selective", "full"):
         cfg = TrainerConfig.from_sections(path, parallel={"recompute": recompute}, peft={"enabled": False},
-                                          optim={"lr": 1e-3, "min_lr": 1e-3}, loss={"reference_policy_kl_penalty": 0.1},
-                                          device="cpu", seed=11, max_num_steps=5)
+                                          optim={"lr": 1e-3, "min_lr": 1e-3},
+                                          loss={"reference_policy_kl_penalty": 0.1}, device="cpu", seed=11,
+                                          max_num_steps=5)
         t = MegatronTrainer(cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=addr)
         b = dict(batch)
-        b["prev_logprobs"] = t.logprobs(batch) + 0.05 * torch.randn(ids.shape, generator=torch.Generator().manual_seed(5))
+        b["prev_logprobs"] = t.logprobs(batch) + 0.05 * torch.randn(ids.shape,
+                                                                   generator=torch.Generator().manual_seed(5))
         b["reference_logprobs"] = torch.full(ids.shape, -5.0)  # the KL term makes the loss depend on the logprobs
         metrics = t.train(b)
         grads = {n: p.main_grad.detach().clone() for n, p in t._module.named_parameters() if p.requires_grad}

@@ -109,8 +109,9 @@ def test_full_recompute_keeps_each_layers_input_and_rebuilds_the_largest():
 def test_an_mlp_layer_and_local_attention_keep_their_own_terms():
     """tiny_nemotron_h (M*EM*-: hidden 128, 4 heads of 48 over 2, an MLP of 256, no latent) as if on cuda at TP 2:
     megatron's local attention keeps the probabilities (heads x sequence per token) unless core_attn is recomputed."""
-    overrides = ["topology=ultra_6n4g", "model=tiny_nemotron_h", "model.dtype=float32", "topology.train.recompute=none",
-                 "topology.train.attention_backend=local", "grpo.max_total_sequence_length=64", "vllm.max_model_len=64"]
+    overrides = ["topology=ultra_6n4g", "model=tiny_nemotron_h", "model.dtype=float32",
+                 "topology.train.recompute=none", "topology.train.attention_backend=local",
+                 "grpo.max_total_sequence_length=64", "vllm.max_model_len=64"]
     _, m = plan_of(*overrides)
     tokens, per_rank = 64 * 1, 64 * 4 / TP    # float32
     assert term(m, "MLP") == 1 * 2 * 256 * per_rank                                    # relu2: fc1 out, activation
@@ -128,7 +129,7 @@ def test_every_vllm_term_is_the_hand_computed_one_kv_counts_k_and_v():
     assert line(m.engine, "activations") == memory.ENGINE_ACTIVATIONS_GIB
     # K and V of 12 attention layers, 2 KV heads replicated to 1 per worker at TP 8, head 128, bf16, 4096 tokens
     assert line(m.engine, "KV of one max_model_len sequence") == 2 * 12 * 1 * 128 * 2 * 4096 / GIB
-    # 48 Mamba layers: conv state (kernel 4 - 1) x (inner / 8 + 2 x 1 group x 128) in bf16, SSM 32 heads x 64 x 128 fp32
+    # 48 Mamba layers: conv state (kernel 4 - 1) x (inner / 8 + 2 x 1 group x 128) in bf16, SSM 32 x 64 x 128 fp32
     assert line(m.engine, "Mamba state") == 48 * (3 * (INNER / 8 + 2 * 1 * STATE) * 2 + 32 * 64 * STATE * 4) / GIB
     assert m.budget_gib == pytest.approx(0.8 * 184)
     assert line(m.engine_outside, "refit buckets") == 2 * 256 * 2**20 / GIB
@@ -240,7 +241,8 @@ def test_the_dry_run_of_nemotron_3_ultras_config_json_fits_and_140_gib_gpus_are_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: topology.generation.tensor_parallel: a vLLM worker "
                                                          "needs 153.0 GiB")
-    assert err.endswith("on a 140 GiB GPU (topology.gpu_memory_gib) at TP 8: raise topology.generation.tensor_parallel")
+    assert err.endswith("on a 140 GiB GPU (topology.gpu_memory_gib) at TP 8: raise "
+                        "topology.generation.tensor_parallel")
     assert not runs.exists()
 
 
