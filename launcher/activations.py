@@ -30,7 +30,7 @@ expert's width, L the latent width, or h without LatentMoE):
                      balanced (a frozen router's imbalance is not modelled).
   final              the final norm's input and output (2 h); the logits: the output layer's
                      (vocabulary / TP, in the dtype) and the loss's two fp32 copies of them
-                     (workers.trainer.actor._token_logprobs: .float(), and the contiguous copy
+                     (workers.trainer.actor.MegatronTrainer._token_logprobs: .float(), the contiguous copy
                      vocab_parallel_cross_entropy keeps for its backward)
   recompute          full: every layer keeps only its input (megatron's uniform method, one layer
                      per unit); selective and full rebuild one unit's activations at a time in the
