@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from launcher.config.schema import RECOMPUTE_MODULES, Config
+from launcher.config.schema import Config, selective_modules
 
 GIB = 2**30
 FP32 = 4
@@ -116,20 +116,15 @@ class Shape:
             units = tuple(pattern)
         else:  # a transformer: each layer is attention and an MLP (its experts' when it has them)
             units = ("*" + ("E" if experts else "-"),) * m.num_layers
-        shared = int(ff.get("moe_shared_expert_intermediate_size", 0) or 0) * max(1, int(ff.get("n_shared_experts", 1)
-                                                                                       or 1))
+        shared_experts = ff.get("n_shared_experts", 1)
+        shared = int(ff.get("moe_shared_expert_intermediate_size", 0) or 0) * int(1 if shared_experts is None
+                                                                                 else shared_experts)
         return cls(units=units, hidden=m.hidden_size, heads=m.num_attention_heads, kv_heads=m.num_query_groups,
                    head_dim=m.head_dim, ffn=m.ffn_hidden_size or 0, gated=m.family != "nemotron_h", experts=experts,
                    topk=m.moe_router_topk or 0, expert_ffn=m.moe_ffn_hidden_size or 0, shared_ffn=shared,
                    latent=int(ff.get("moe_latent_size", 0) or 0), mamba_heads=int(ff.get("mamba_num_heads", 0) or 0),
                    mamba_head_dim=int(ff.get("mamba_head_dim", 0) or 0), mamba_groups=int(ff.get("n_groups", 0) or 0),
                    mamba_state=int(ff.get("ssm_state_size", 0) or 0), vocab=vocab)
-
-
-def selective_modules(grouped_gemm: bool = True) -> tuple[str, ...]:
-    """What `recompute: selective` recomputes (workers.trainer.provider_settings: moe_act only with
-    grouped-GEMM experts, which a CUDA node with Transformer Engine has)."""
-    return tuple(m for m in RECOMPUTE_MODULES if m != "moe_act" or grouped_gemm)
 
 
 def layer_bytes(symbol: str, s: Shape, dtype: int, sequence: int, backend: str, modules: tuple[str, ...]

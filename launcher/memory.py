@@ -164,7 +164,9 @@ def layer_parameters(symbol: str, m) -> tuple[int, int]:
             + inner * h + h, 0
     latent, experts = ff.get("moe_latent_size", 0) or 0, m.num_experts or 0
     routed = experts * 2 * (latent or h) * (m.moe_ffn_hidden_size or 0)
-    shared = 2 * h * (ff.get("moe_shared_expert_intermediate_size", 0) or 0) * (ff.get("n_shared_experts", 1) or 1)
+    shared_experts = ff.get("n_shared_experts", 1)
+    shared = 2 * h * (ff.get("moe_shared_expert_intermediate_size", 0) or 0) * (1 if shared_experts is None
+                                                                               else shared_experts)
     return routed + shared + 2 * h * latent + experts * h + experts + h, routed
 
 

@@ -54,6 +54,13 @@ JOBS = ("grpo", "placement_smoke", "hold", "preflight")
 # (workers.trainer.provider_settings) and the memory plan (launcher.memory) read these.
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("moe", "moe_act", "mlp", "shared_experts", "layernorm", "core_attn")
+
+
+def selective_modules(grouped_gemm: bool = True) -> tuple[str, ...]:
+    """What `recompute: selective` recomputes: moe_act only with grouped-GEMM experts (megatron-core
+    refuses it otherwise), which a CUDA node with Transformer Engine has (the memory plan assumes it)."""
+    return tuple(m for m in RECOMPUTE_MODULES if m != "moe_act" or grouped_gemm)
+
 # megatron-core's AttnBackend names; fused is the Bridge's Nemotron 3 recipes' choice (Transformer
 # Engine's cuDNN attention), flash needs the flash-attn package, local is megatron's own attention
 ATTENTION_BACKENDS = ("fused", "flash", "unfused", "local", "auto")

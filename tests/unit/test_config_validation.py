@@ -48,8 +48,10 @@ BAD = [
       "topology.train.tensor_parallel: must divide model.num_query_groups = 2 (a TP rank holds whole query "
       "groups), got 3"]),
     (["topology=ultra_6n4g", "topology.train.tensor_parallel=16"],
-     "topology.train.tensor_parallel: must divide model.num_query_groups = 8 (a TP rank holds whole query groups), "
-     "got 16"),
+     ["topology.train.tensor_parallel: must divide model.num_query_groups = 2 (a TP rank holds whole query groups), "
+      "got 16",
+      "topology.train.tensor_parallel: must divide the Mamba heads (256) and groups (8) of model nemotron-3-ultra, "
+      "got 16"]),
     (["topology=ultra_6n4g", "topology.train.expert_parallel=32"],
      "topology.train.expert_parallel: EP x ETP x PP = 32 must divide the 16 trainer ranks; "
      "allowed EP: 1, 2, 4, 8, 16"),
@@ -60,7 +62,7 @@ BAD = [
      "(generation.nodes x ranks_per_node)"),
     (["topology=ultra_6n4g", "topology.generation.tensor_parallel=6", "topology.generation.engines=1",
       "topology.generation.ranks_per_node=3"],
-     "topology.generation.tensor_parallel: must divide model.num_attention_heads = 32 (vLLM splits heads), got 6"),
+     "topology.generation.tensor_parallel: must divide model.num_attention_heads = 64 (vLLM splits heads), got 6"),
     (["topology.generation.tensor_parallel=2", "topology.generation.ranks_per_node=2"],
      "topology.generation.tensor_parallel: vLLM on CPU runs in-process: must be 1"),
     (["topology.nodes=2"], "topology.nodes: the local executor runs on this machine: nodes must be 1, got 2"),

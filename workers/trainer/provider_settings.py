@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from launcher.config.schema import RECOMPUTE_MODULES
+from launcher.config.schema import selective_modules
 from workers.trainer import kernels
 from workers.trainer.config import TrainerConfig
 
@@ -96,4 +96,4 @@ def recompute_settings(mode: str, grouped_gemm: bool) -> dict:
     if mode != "selective":
         raise ValueError(f"topology.train.recompute: none, selective or full, got {mode!r}")
     return {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None,
-            "recompute_modules": [m for m in RECOMPUTE_MODULES if m != "moe_act" or grouped_gemm]}
+            "recompute_modules": list(selective_modules(grouped_gemm))}
