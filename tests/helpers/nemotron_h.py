@@ -38,20 +38,8 @@ def build_nano_scaled(out_dir: Path) -> Path:
 
 
 # The reference topology's placement smoke (tests/slurm/test_ultra_placement.py) builds no model, but
-# validation checks the model's facts against ultra_6n4g: EP16 must divide the experts, the TP8
-# engine the attention heads, train TP2 the KV groups, Mamba heads and groups. The facts are the
-# checkpoint's (launcher.config.model_facts), so the stand-in for Nemotron 3 Ultra is a checkpoint:
-# tiny_nemotron_h with 16 routed experts and 8 attention heads in 8 KV groups.
-def ultra_stand_in_spec() -> dict:
-    from launcher.config.schema import BUILTIN_MODELS
-
-    return {**BUILTIN_MODELS["tiny_nemotron_h"], "n_routed_experts": 16, "num_attention_heads": 8,
-            "num_key_value_heads": 8}
-
-
-def ultra_stand_in(directory: Path) -> list[str]:
-    """The launcher overrides of the stand-in (its checkpoint built under `directory`)."""
-    from workers import tiny_models
-
-    path = tiny_models.build(Path(directory) / "ultra-stand-in", "ultra_stand_in", spec=ultra_stand_in_spec())
-    return [f"model.path={path}"]
+# validation checks the model's facts against ultra_6n4g: EP16 must divide the experts, the TP8 engine
+# the attention heads, train TP2 the KV groups, Mamba heads and groups. The stand-in for Nemotron 3 Ultra
+# is the built-in recipe of the released architecture, tiny_nemotron3 (LatentMoE with 16 experts, 8
+# attention heads in 2 KV groups, Mamba 8 heads in 2 groups, MTP layers), whose facts divide them all.
+ULTRA_STAND_IN = ["model=tiny_nemotron3"]
