@@ -30,6 +30,20 @@ NANO_30B_A3B_SCALED = dict(
     norm_topk_prob=True, mlp_hidden_act="relu2")
 
 
+# The same with the released architecture's additions, other than tiny_nemotron3's: LatentMoE in a width
+# of 16 (a quarter of hidden, as Super's 1024 of 4096) and two MTP steps of one MoE layer each (Megatron-
+# Bridge's Ultra recipes train 2 MTP layers; the recipe has one step of attention + MoE).
+NANO_SCALED_LATENT_MTP = dict(NANO_30B_A3B_SCALED, moe_latent_size=16, num_nextn_predict_layers=2,
+                              mtp_hybrid_override_pattern="E")
+
+
+def build_nano_latent_mtp(out_dir: Path) -> Path:
+    """NANO_SCALED_LATENT_MTP's checkpoint (MTP tensors as workers.tiny_models writes them) in out_dir."""
+    from workers import tiny_models
+
+    return tiny_models.build(out_dir, "nemotron_3_nano_scaled_latent_mtp", spec=NANO_SCALED_LATENT_MTP)
+
+
 def build_nano_scaled(out_dir: Path) -> Path:
     """The scaled Nemotron-3-Nano checkpoint (random weights, the tiny models' tokenizer) in out_dir."""
     from workers import tiny_models
