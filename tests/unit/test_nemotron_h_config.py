@@ -33,7 +33,8 @@ SUPER_120B = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron
               "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
               "conv_kernel": 4, "chunk_size": 128, "n_routed_experts": 512, "num_experts_per_tok": 22,
               "moe_intermediate_size": 2688, "moe_latent_size": 1024, "moe_shared_expert_intermediate_size": 5376,
-              "n_shared_experts": 1, "routed_scaling_factor": 5.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+              "n_shared_experts": 1, "routed_scaling_factor": 5.0, "n_group": 1, "topk_group": 1,
+              "norm_topk_prob": True,
               "mlp_hidden_act": "relu2", "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E",
               "layer_norm_epsilon": 1e-5, "time_step_min": 0.001, "partial_rotary_factor": 1.0, "rope_theta": 10000,
               "vocab_size": 131072, "max_position_embeddings": 262144}
