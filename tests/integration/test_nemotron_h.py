@@ -16,7 +16,8 @@ reproduces the trainer and is served by `workers.generator.serve` with the expor
 Mamba out_proj (which PEFT refuses) trains and refits exactly at EP2 while its export is refused in one
 line. Last, the other recipes at TP1 (tiny_nemotron_h: MLP layers and MoE without a latent width; the
 dense one) with LoRA on the MLP, and in bfloat16 the expert bias stays float32 and as loaded; full
-fine-tuning moves it and checkpoints it.
+fine-tuning trains the latent projections alike at TP1 and TP2 (sequence parallel), and moves the
+expert bias and checkpoints it.
 """
 
 from __future__ import annotations
@@ -228,7 +229,10 @@ def test_checkpoint_at_tp2_resumes_at_tp1_and_back(groups, batch, tmp_path):
     assert_close(tp1.logprobs(batch), tp2.logprobs(batch), "TP1 resumed from TP2")
     tp1.train(with_prev(tp1, batch))
     tp1.save_state(tmp_path / "tp1")
-    tp2.load_state(tmp_path / "tp1")
+    saved = tp1.call("adapter_state")[0]
+    assert tp2.load_state(tmp_path / "tp1")["saved_layout"]["tensor_parallel"] == 1
+    resumed = tp2.call("adapter_state")[0]
+    assert sorted(resumed) == sorted(saved) and all(torch.equal(resumed[n], saved[n]) for n in saved)   # bitwise
     assert_close(tp2.logprobs(batch), tp1.logprobs(batch), "TP2 resumed from TP1")
 
 
@@ -451,11 +455,26 @@ def test_in_bfloat16_the_expert_bias_stays_float32_and_as_loaded(local_ray, mode
         group.shutdown()
 
 
-def test_full_fine_tuning_moves_the_expert_bias_and_checkpoints_it(local_ray, model_dir, batch, tmp_path):
-    """Without LoRA (and without peft.freeze_moe_router) megatron updates the bias every step, as in
-    pretraining: then a checkpoint holds it, and a resume restores it."""
-    group = make_group(model_dir, peft={**LORA, "enabled": False, "target_modules": [], "dim": 0})
+def test_full_fine_tuning_trains_the_latent_projections_alike_at_tp2_and_moves_the_expert_bias(local_ray, model_dir,
+                                                                                                 batch, tmp_path):
+    """Without LoRA the LatentMoE projections train: each TP rank holds the whole weight (the CPU stand-in,
+    as Transformer Engine's duplicated linear) but under sequence parallelism sees only its tokens, so their
+    gradient is summed over TP: the same at TP2 as at TP1. And without LoRA (and without
+    peft.freeze_moe_router) megatron updates the expert bias every step, as in pretraining: then a
+    checkpoint holds it, and a resume restores it."""
+    full = {**LORA, "enabled": False, "target_modules": [], "dim": 0}
+    group = make_group(model_dir, peft=full)
     try:
+        tp2 = make_group(model_dir, tp=2, peft=full)
+        try:
+            g1 = group.call("gradients", with_prev(group, batch), only="latent_proj")[0]
+            g2 = tp2.call("gradients", with_prev(tp2, batch), only="latent_proj")[0]
+        finally:
+            tp2.shutdown()
+        assert sorted(g1) == sorted(g2) == [f"decoder.layers.{i}.mlp.fc{k}_latent_proj.weight"
+                                            for i in MOE_LAYERS for k in (1, 2)]
+        top = max(g.abs().max().item() for g in g1.values())
+        assert top > 0 and max((g1[n] - g2[n]).abs().max().item() for n in g1) < 1e-5 * top   # not half of it
         before = group.call("expert_biases")[0]
         group.train(with_prev(group, batch))
         saved = group.call("expert_biases")[0]
