@@ -157,8 +157,9 @@ def _default(value: ast.expr) -> Any:
 
 
 def _literal(node: ast.expr) -> Any:
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" and len(node.args) == 1
-            and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).lower() in ("inf", "-inf")):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float"
+            and len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).lower() in ("inf", "-inf")):
         return math.inf if not str(node.args[0].value).startswith("-") else -math.inf
     if isinstance(node, (ast.Tuple, ast.List)):
         return [_literal(e) for e in node.elts]

@@ -31,6 +31,7 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs += _peft(cfg)
     errs += _refit_and_vllm(cfg)
     errs += _expert_lora(cfg)
+    errs += _latent_lora(cfg)
     errs += _hybrid(cfg)
     errs += _lora_not_in_peft(cfg)
     errs += _grpo(cfg)
@@ -112,8 +113,31 @@ def _parallel_vs_model(cfg: Config) -> list[ConfigError]:
 
 
 def _layer_modules(cfg: Config) -> list[str]:
-    mods = LORA_MODULES.get(cfg.model.family or "", ())
+    mods = LORA_MODULES.get(cfg.model.family or "", ()) + _latent_projections(cfg)
     return [f"decoder.layers.{i}.{mod}" for i in range(cfg.model.num_layers) for mod in mods]
+
+
+def _latent_projections(cfg: Config) -> tuple[str, ...]:
+    """LatentMoE's projections (Nemotron 3: model.family_facts.moe_latent_size), modules of the model that
+    LoRA may not wrap (`_latent_lora`)."""
+    latent = (cfg.model.family_facts or {}).get("moe_latent_size")
+    return ("mlp.fc1_latent_proj", "mlp.fc2_latent_proj") if latent and cfg.model.num_experts else ()
+
+
+def _latent_lora(cfg: Config) -> list[ConfigError]:
+    """No LoRA on LatentMoE's projections: neither half of the stack carries it exactly. Megatron-Bridge's LoRA
+    wraps a TE linear (cuda) and a plain torch linear (the CPU stand-in) as different adapters, the refit
+    layout and the PEFT exporter map no such module, and vLLM would have to serve it on a replicated linear
+    inside its fused MoE layer."""
+    mods = _latent_projections(cfg)
+    hit = [t for t in cfg.peft.target_modules if any(_matches(t, f"decoder.layers.0.{m}") for m in mods)]
+    if not (cfg.peft.enabled and hit):
+        return []
+    return [ConfigError("peft.target_modules", f"{', '.join(map(repr, hit))} wrap LatentMoE's projections "
+                                               f"(fc1_latent_proj, fc2_latent_proj) of {cfg.model.name}: LoRA on "
+                                               f"them is not supported (the trainer's adapter, the refit layout, "
+                                               f"the PEFT exporter and vLLM do not carry it the same); wrap the "
+                                               f"experts' linear_fc1/linear_fc2 or the shared experts instead")]
 
 
 def _peft(cfg: Config) -> list[ConfigError]:

@@ -138,8 +138,15 @@ def test_engine_refit_merged_delta_bitwise_and_logprobs_against_the_trainer(step
     merged, delta = (load_file(str(tmp_path / f"{m}.safetensors")) for m in spec["modes"])
     exported = {n: t.detach().cpu() for n, t in trainer.export_merged()}
     assert merged.keys() == exported.keys() and all(torch.equal(merged[n], exported[n]) for n in exported)
-    layers = trainer.cfg.facts.num_layers  # the run's model facts
-    assert len(delta) == 7 * layers  # q, k, v, o, gate, up, down of every layer
+    from workers.lora.layout import ModelLayout, hf_lora_groups
+
+    wrapped = {m for g in hf_lora_groups(ModelLayout.from_facts(trainer.cfg.facts), trainer.adapter_state())
+               for m in g.hf_modules}   # e.g. q, k, v, o, gate, up, down of every layer of a llama
+    assert len(delta) == len(wrapped) and all(n.removesuffix(".weight").split(".", 1)[1] in
+                                              {m.split(".", 1)[1] for m in wrapped} for n in delta), sorted(delta)
+    # merged_delta names the HF modules as transformers' model does in memory (Nemotron-H: model.layers,
+    # which its files spell backbone.layers)
+    merged = {("model." + n[len("backbone."):] if n.startswith("backbone.") else n): t for n, t in merged.items()}
     assert all(torch.equal(t, merged[n]) for n, t in delta.items()), "merged_delta differs from merged"
     assert payloads[1].bytes < payloads[0].bytes / 3
     for mode in spec["modes"]:  # the engine's greedy tokens and logprobs, the trainer's logprobs of them

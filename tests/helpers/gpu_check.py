@@ -22,10 +22,17 @@ ON_CUDA = DEVICE == "cuda"
 DTYPE = torch.bfloat16 if ON_CUDA else torch.float32
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = os.environ.get("GPU_CHECK_RECIPE", "tiny_llama")
-RECIPES = ("tiny_llama", "tiny_qwen2")
+# tiny_nemotron3 (Nemotron 3 as released: LatentMoE, MTP layers) needs Transformer Engine, mamba_ssm and
+# causal_conv1d on the node (docs/gpu.md): without them its recipe's tests are skipped (conftest.py)
+RECIPES = ("tiny_llama", "tiny_qwen2", "tiny_nemotron3")
+HYBRID_NEEDS = ("transformer_engine", "mamba_ssm", "causal_conv1d")
 # alpha / dim = 2.5: not a power of two, so a merge computed in another order would change bits
 PEFT = {"enabled": True, "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "dim": 8,
         "alpha": 20, "dropout": 0.0, "lora_A_init_method": "xavier", "lora_B_init_method": "zero"}
+if RECIPE.startswith("tiny_nemotron"):   # attention, Mamba in_proj, the shared experts (not the routed ones)
+    PEFT = {**PEFT, "target_modules": ["linear_qkv", "linear_proj", "in_proj",
+                                       "decoder.layers.*.mlp.shared_experts.linear_fc1",
+                                       "decoder.layers.*.mlp.shared_experts.linear_fc2"]}
 OPTIM = {"optimizer": "adam", "lr": 1e-2, "min_lr": 1e-2, "clip_grad": 1.0, "lr_decay_style": "constant",
          "use_distributed_optimizer": ON_CUDA}
 LOSS = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "reference_policy_kl_penalty": 0.01, "token_level_loss": True}
@@ -62,15 +69,29 @@ def free_port() -> int:
 
 
 def hf_logprobs(model_dir, input_ids, state=None) -> torch.Tensor:
-    import transformers
+    """The HF model's logprobs of input_ids, on model_dir's weights or on `state` (HF names as the files spell
+    them: a merged export), written as a checkpoint beside model_dir's config (transformers maps the files'
+    names to its modules on loading: Nemotron-H's backbone.* and its per-expert tensors)."""
+    import shutil
+    import tempfile
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPE).to(DEVICE).eval()
-    if state is not None:
-        missing, unexpected = model.load_state_dict({k: v.to(DTYPE) for k, v in state.items()}, strict=False)
-        assert not unexpected, unexpected
-        assert all("rotary" in m or "lm_head" in m for m in missing), missing
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids.to(DEVICE)).logits.float(), dim=-1).cpu()
+    import transformers
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if state is not None:
+            for f in Path(model_dir).iterdir():
+                if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+                    shutil.copy(f, Path(tmp) / f.name)
+            save_file({k: v.detach().float().cpu().contiguous() for k, v in state.items()},
+                      str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+            model_dir = tmp
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPE,
+                                                                        output_loading_info=True)
+        assert not [m for m in info["missing_keys"] if "rotary" not in m], info["missing_keys"]   # none left random
+        model = model.to(DEVICE).eval()
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids.to(DEVICE)).logits.float(), dim=-1).cpu()
     out = torch.zeros(input_ids.shape)
     out[:, 1:] = logp[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
     return out

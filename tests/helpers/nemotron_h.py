@@ -30,6 +30,20 @@ NANO_30B_A3B_SCALED = dict(
     norm_topk_prob=True, mlp_hidden_act="relu2")
 
 
+# The same with the released architecture's additions, other than tiny_nemotron3's: LatentMoE in a width
+# of 16 (a quarter of hidden, as Super's 1024 of 4096) and two MTP steps of one MoE layer each (Megatron-
+# Bridge's Ultra recipes train 2 MTP layers; the recipe has one step of attention + MoE).
+NANO_SCALED_LATENT_MTP = dict(NANO_30B_A3B_SCALED, moe_latent_size=16, num_nextn_predict_layers=2,
+                              mtp_hybrid_override_pattern="E")
+
+
+def build_nano_latent_mtp(out_dir: Path) -> Path:
+    """NANO_SCALED_LATENT_MTP's checkpoint (MTP tensors as workers.tiny_models writes them) in out_dir."""
+    from workers import tiny_models
+
+    return tiny_models.build(out_dir, "nemotron_3_nano_scaled_latent_mtp", spec=NANO_SCALED_LATENT_MTP)
+
+
 def build_nano_scaled(out_dir: Path) -> Path:
     """The scaled Nemotron-3-Nano checkpoint (random weights, the tiny models' tokenizer) in out_dir."""
     from workers import tiny_models
@@ -38,20 +52,8 @@ def build_nano_scaled(out_dir: Path) -> Path:
 
 
 # The reference topology's placement smoke (tests/slurm/test_ultra_placement.py) builds no model, but
-# validation checks the model's facts against ultra_6n4g: EP16 must divide the experts, the TP8
-# engine the attention heads, train TP2 the KV groups, Mamba heads and groups. The facts are the
-# checkpoint's (launcher.config.model_facts), so the stand-in for Nemotron 3 Ultra is a checkpoint:
-# tiny_nemotron_h with 16 routed experts and 8 attention heads in 8 KV groups.
-def ultra_stand_in_spec() -> dict:
-    from launcher.config.schema import BUILTIN_MODELS
-
-    return {**BUILTIN_MODELS["tiny_nemotron_h"], "n_routed_experts": 16, "num_attention_heads": 8,
-            "num_key_value_heads": 8}
-
-
-def ultra_stand_in(directory: Path) -> list[str]:
-    """The launcher overrides of the stand-in (its checkpoint built under `directory`)."""
-    from workers import tiny_models
-
-    path = tiny_models.build(Path(directory) / "ultra-stand-in", "ultra_stand_in", spec=ultra_stand_in_spec())
-    return [f"model.path={path}"]
+# validation checks the model's facts against ultra_6n4g: EP16 must divide the experts, the TP8 engine
+# the attention heads, train TP2 the KV groups, Mamba heads and groups. The stand-in for Nemotron 3 Ultra
+# is the built-in recipe of the released architecture, tiny_nemotron3 (LatentMoE with 16 experts, 8
+# attention heads in 2 KV groups, Mamba 8 heads in 2 groups, MTP layers), whose facts divide them all.
+ULTRA_STAND_IN = ["model=tiny_nemotron3"]

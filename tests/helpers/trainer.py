@@ -52,6 +52,29 @@ class ProbedTrainer(MegatronTrainer):
         pairs = list(self._export_hf(merge_adapters=False))
         return pairs if keep is True or (keep == "rank0" and self.rank == 0) else None
 
+    def gradients(self, batch, only: str = "") -> dict:
+        """{name: full (TP-gathered) gradient} of every trainable parameter (whose name contains `only`) for
+        the GRPO loss of `batch`: train()'s forward and backward (the reduced main_grad megatron's optimizer
+        would use), no update; the step counter and the scheduler are left as they were. Collective (every
+        rank)."""
+        grads: dict = {}
+        trainable = {n: p for n, p in self._module.named_parameters() if p.requires_grad and only in n}
+
+        def step():
+            grads.update(gather.full_named(trainable, lambda name, param: param.main_grad.detach(), self.ps,
+                                           self.model_config))
+            return True, float("nan"), None
+
+        self.optimizer.step, steps = step, self.scheduler.num_steps
+        try:
+            self.train(batch)
+        finally:
+            del self.optimizer.step   # the optimizer's own method again
+            self.step -= 1
+            self.scheduler.num_steps = steps
+            self.scheduler.step(increment=0)
+        return grads
+
     def expert_biases(self) -> dict:
         """{name: this rank's MoE router expert bias} (a buffer, not a parameter)."""
         return {n: b.detach().cpu().clone() for n, b in self._module.named_buffers() if n.endswith(".expert_bias")}

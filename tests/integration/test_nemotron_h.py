@@ -1,17 +1,23 @@
-"""Nemotron-H (the reference model's family: Mamba-2 + attention + MLP + MoE with a shared expert) through
-every part of the trainer and the generator on CPU, float32: the tiny_nemotron_h recipe (M*EM*-).
+"""Nemotron-H (the reference model's family) through every part of the trainer and the generator on CPU,
+float32: the architecture as released (Nemotron 3 Super/Ultra), the tiny_nemotron3 recipe (MEM*E: Mamba-2,
+LatentMoE with a shared expert and the router's expert bias, attention; MTP layers in the checkpoint).
 
-LoRA on everything an HF PEFT adapter can hold (attention qkv/proj, Mamba in_proj, the MLP and the
-shared expert), B non-zero from the start. Checked against what we did not write: Megatron vs HF
-transformers (its own torch Mamba path) on the trainer's merged export at TP1, TP2 (sequence
-parallel) and EP2 within 1e-5; the same GRPO step at TP1 and TP2; a LoRA step moves only adapter
-tensors and the router's expert bias stays (frozen, float32); a checkpoint at TP2 resumes at TP1 and
-back, and at its own layout bitwise; every refit mode to vLLM gives gen_kl_error < 1e-5, with a
-prompt longer than vLLM's Mamba block, and merged and merged_delta give vLLM the same weights; the
-exported PEFT adapter attaches fully to transformers' model, reproduces the trainer and is served
-by `workers.generator.serve` with the exporter's hint; LoRA on a Mamba out_proj (which PEFT refuses)
-trains and refits exactly at EP2 while its export is refused in one line. Last, the dense recipe,
-and in bfloat16 the expert bias stays float32 and as loaded; full fine-tuning moves it and checkpoints it.
+LoRA on everything an HF PEFT adapter can hold (attention qkv/proj, Mamba in_proj, the shared expert),
+B non-zero from the start. Checked against what we did not write: Megatron vs HF transformers (its own
+torch Mamba path and latent MoE) on the trainer's merged export at TP1, TP2 (sequence parallel) and
+EP2 within 1e-5; the checkpoint's MTP layers change neither the GRPO loss nor the adapter gradients
+(the trainer builds none) and are never refitted; the same GRPO step at TP1 and TP2; a LoRA step moves
+only adapter tensors and the router's expert bias stays (frozen, float32); a checkpoint at TP2 resumes
+at TP1 with the same adapters, bitwise, and back, and at its own layout bitwise; every refit mode to
+vLLM gives gen_kl_error < 1e-5, with a prompt longer than vLLM's Mamba block, and merged and
+merged_delta give vLLM the same weights; the exported PEFT adapter attaches fully to transformers' model
+whether the base names its stack backbone.layers (the Hub's files) or model.layers (transformers 5's),
+reproduces the trainer and is served by `workers.generator.serve` with the exporter's hint; LoRA on a
+Mamba out_proj (which PEFT refuses) trains and refits exactly at EP2 while its export is refused in one
+line. Last, the other recipes at TP1 (tiny_nemotron_h: MLP layers and MoE without a latent width; the
+dense one) with LoRA on the MLP, and in bfloat16 the expert bias stays float32 and as loaded; full
+fine-tuning trains the latent projections alike at TP1 and TP2 (sequence parallel), and moves the
+expert bias and checkpoints it.
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ from launcher.config import model_facts
 pytestmark = pytest.mark.integration
 
 ATOL = 1e-5
-PEFT_TARGETS = ["linear_qkv", "linear_proj", "in_proj", "decoder.layers.*.mlp.linear_fc1",
-                "decoder.layers.*.mlp.linear_fc2", "decoder.layers.*.mlp.shared_experts.linear_fc1",
+PEFT_TARGETS = ["linear_qkv", "linear_proj", "in_proj", "decoder.layers.*.mlp.shared_experts.linear_fc1",
                 "decoder.layers.*.mlp.shared_experts.linear_fc2"]
+MLP_TARGETS = ["decoder.layers.*.mlp.linear_fc1", "decoder.layers.*.mlp.linear_fc2"]   # the - layers
 LORA = {"enabled": True, "target_modules": PEFT_TARGETS, "dim": 8, "alpha": 20, "dropout": 0.0,
         "dropout_position": "post", "lora_A_init_method": "xavier", "lora_B_init_method": "xavier",
         "lora_dtype": None, "freeze_moe_router": False}
@@ -37,6 +43,7 @@ WITH_OUT_PROJ = {**LORA, "target_modules": PEFT_TARGETS + ["out_proj"]}
 OPTIM = {"optimizer": "adam", "lr": 1e-2, "min_lr": 1e-2, "clip_grad": 1.0, "lr_decay_style": "constant"}
 SLOT = {"resources": {"generation_slot": 1}, "num_cpus": 0.5}
 LONG_PROMPT = 150  # vLLM's Mamba block is 128 tokens with prefix caching (cpu_shim turns it off for hybrids)
+MOE_LAYERS = (1, 4)  # MEM*E
 
 
 def make_group(model_dir, tp=1, ep=1, peft=LORA, dtype="float32"):
@@ -81,7 +88,7 @@ def assert_close(a, b, what, atol=ATOL):
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model):
-    return tiny_model("tiny_nemotron_h")
+    return tiny_model("tiny_nemotron3")
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +129,9 @@ def test_megatron_matches_hf_at_tp1_and_tp2(groups, batch, model_dir, tmp_path):
                  "TP1 base vs HF")
     for name in ("tp1", "tp2"):
         merged = dict(groups[name].export_merged())
-        assert "backbone.layers.0.mixer.in_proj.weight" in merged and \
-            "backbone.layers.2.mixer.gate.e_score_correction_bias" in merged
+        assert {"backbone.layers.0.mixer.in_proj.weight", "backbone.layers.1.mixer.gate.e_score_correction_bias",
+                "backbone.layers.4.mixer.fc1_latent_proj.weight"} <= set(merged)
+        assert not [n for n in merged if n.startswith("mtp.")]   # the trainer builds no MTP layers
         with_lora = groups[name].logprobs(batch)
         assert_close(with_lora, token_logprobs(hf_model(model_dir, merged, tmp_path / name), ids),
                      f"{name} vs HF on its merged export")
@@ -131,19 +139,75 @@ def test_megatron_matches_hf_at_tp1_and_tp2(groups, batch, model_dir, tmp_path):
     assert (groups["tp1"].logprobs(batch) - groups["tp1"].logprobs(batch, adapters=False)).abs().max() > 1e-2
 
 
+def without_mtp(model_dir: Path, out: Path) -> Path:
+    """model_dir without its MTP layers: the same weights, no mtp.* tensors, depth 0 in config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.update(num_nextn_predict_layers=0)
+    config.pop("mtp_hybrid_override_pattern")
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_mtp_layers_change_neither_the_grpo_loss_nor_the_adapter_gradients(groups, batch, model_dir, tmp_path):
+    """The checkpoint's MTP layers (num_nextn_predict_layers 1, mtp.* tensors): the trainer builds none, so
+    a GRPO step on it is the step on the same model without them (megatron would add 0.3 x the MTP
+    cross-entropy over every position, prompt and padding included, and its gradient would reach the
+    adapters): the same loss, the same gradient of every adapter, bitwise."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert len([k for k in f.keys() if k.startswith("mtp.")]) == 48
+    plain = make_group(without_mtp(model_dir, tmp_path / "no-mtp"))
+    try:
+        tp1 = groups["tp1"]
+        assert not [n for n in tp1.call("parameters_snapshot")[0] if "mtp" in n]
+        start = tp1.call("adapter_state")[0]
+        assert all(torch.equal(start[n], t) for n, t in plain.call("adapter_state")[0].items())   # same adapters
+        b = with_prev(tp1, batch)
+        assert torch.equal(b["prev_logprobs"], plain.logprobs(batch))
+        (with_mtp,), (without,) = tp1.call("gradients", b), plain.call("gradients", b)
+        assert sorted(with_mtp) == sorted(without) and all(".adapter." in n for n in with_mtp)
+        assert all(torch.equal(with_mtp[n], without[n]) for n in with_mtp)
+        assert max(g.abs().max().item() for g in with_mtp.values()) > 1e-3   # the loss has a gradient
+        m1, m2 = tp1.train(b), plain.train(b)
+        assert (m1["loss"], m1["grad_norm"]) == (m2["loss"], m2["grad_norm"]) and m1["grad_norm"] > 0
+        assert all(torch.equal(tp1.call("adapter_state")[0][n], t) for n, t in plain.call("adapter_state")[0].items())
+    finally:
+        plain.shutdown()
+    groups["tp1"].load_state(groups["start"])   # as the tests below expect it
+
+
 def test_a_lora_step_moves_only_adapters_and_not_the_expert_bias(groups, batch):
-    """The same GRPO step at TP1 and TP2; only LoRA tensors change; the router's expert bias, which
-    megatron updates every step unless frozen (Nemotron-H's bridge enables it), stays as loaded, float32."""
+    """The same GRPO step at TP1 and TP2 (every adapter's gradient, gathered over TP); only LoRA tensors
+    change; the router's expert bias, which megatron updates every step unless frozen (Nemotron-H's bridge
+    enables it), stays as loaded, float32."""
     tp1, tp2 = groups["tp1"], groups["tp2"]
     params = tp1.call("parameters_snapshot")[0]
     biases = tp1.call("expert_biases")[0]
-    assert list(biases) == ["decoder.layers.2.mlp.router.expert_bias"]
-    assert biases["decoder.layers.2.mlp.router.expert_bias"].abs().max() > 0  # the recipe's bias is not zero
+    assert list(biases) == [f"decoder.layers.{i}.mlp.router.expert_bias" for i in MOE_LAYERS]
+    assert all(b.abs().max() > 0 for b in biases.values())  # the recipe's bias is not zero
+    g1, g2 = tp1.call("gradients", with_prev(tp1, batch))[0], tp2.call("gradients", with_prev(tp2, batch))[0]
+    top = max(g.abs().max().item() for g in g1.values())
+    assert sorted(g1) == sorted(g2) and max((g1[n] - g2[n]).abs().max().item() for n in g1) < 1e-5 * top
     for _ in range(2):
         m1, m2 = tp1.train(with_prev(tp1, batch)), tp2.train(with_prev(tp2, batch))
         assert m1["loss"] == pytest.approx(m2["loss"], abs=ATOL) and \
             m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
-    assert_close(tp1.logprobs(batch), tp2.logprobs(batch), "TP1 vs TP2 after two steps")
+    # Adam divides each gradient element by its own running magnitude: the few elements whose gradient
+    # is ~1e-7 take steps that differ by lr x their relative float noise (measured: logprobs 1.1e-5 apart
+    # after one step, 1.7e-5 after two; the gradients above agree to 1e-6 of the largest)
+    assert_close(tp1.logprobs(batch), tp2.logprobs(batch), "TP1 vs TP2 after two Adam steps", atol=1e-4)
     now = tp1.call("parameters_snapshot")[0]
     moved = sorted(n for n in now if not torch.equal(now[n], params[n]))
     assert moved and all(".adapter." in n for n in moved), moved
@@ -157,12 +221,18 @@ def test_checkpoint_at_tp2_resumes_at_tp1_and_back(groups, batch, tmp_path):
     tp1, tp2 = groups["tp1"], groups["tp2"]
     tp2.train(with_prev(tp2, batch))
     tp2.save_state(tmp_path / "tp2")
+    saved = tp2.call("adapter_state")[0]   # whole (TP-gathered) adapters
     info = tp1.load_state(tmp_path / "tp2")
     assert info["saved_layout"]["tensor_parallel"] == 2 and not info["rng_restored"]
+    resumed = tp1.call("adapter_state")[0]
+    assert sorted(resumed) == sorted(saved) and all(torch.equal(resumed[n], saved[n]) for n in saved)   # bitwise
     assert_close(tp1.logprobs(batch), tp2.logprobs(batch), "TP1 resumed from TP2")
     tp1.train(with_prev(tp1, batch))
     tp1.save_state(tmp_path / "tp1")
-    tp2.load_state(tmp_path / "tp1")
+    saved = tp1.call("adapter_state")[0]
+    assert tp2.load_state(tmp_path / "tp1")["saved_layout"]["tensor_parallel"] == 1
+    resumed = tp2.call("adapter_state")[0]
+    assert sorted(resumed) == sorted(saved) and all(torch.equal(resumed[n], saved[n]) for n in saved)   # bitwise
     assert_close(tp2.logprobs(batch), tp1.logprobs(batch), "TP2 resumed from TP1")
 
 
@@ -261,17 +331,39 @@ def exported(groups, model_dir, tmp_path_factory):
                           alpha=20, peft_enabled=True, config_file=d / "config.yaml")
 
 
-def test_exported_adapter_attaches_fully_and_is_the_trainer(groups, exported, batch, model_dir):
+def test_exported_adapter_attaches_fully_to_either_stack_name_and_is_the_trainer(groups, exported, batch, model_dir,
+                                                                                  tmp_path):
     from peft import PeftModel
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
     assert exported.target_modules == ["down_proj", "in_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    model = PeftModel.from_pretrained(hf_model(model_dir), str(exported.out)).eval()
-    result = set_peft_model_state_dict(model, load_peft_weights(str(exported.out)))
-    assert result.unexpected_keys == [] and [k for k in result.missing_keys if "lora_" in k] == []
-    wrapped = sorted(n.split("base_model.model.")[1] for n, _ in model.named_modules() if n.endswith(".lora_A"))
-    assert len(wrapped) == exported.hf_modules == 2 + 2 * 4 + 2 + 2  # in_proj x2, q/k/v/o x2, shared up/down, up/down
-    assert_close(token_logprobs(model, batch["input_ids"]), groups["tp2"].logprobs(batch), "PEFT adapter vs trainer")
+    trainer = groups["tp2"].logprobs(batch)
+    for base in (model_dir, stack_named_model_layers(model_dir, tmp_path / "model-layers")):
+        model = PeftModel.from_pretrained(hf_model(base), str(exported.out)).eval()
+        result = set_peft_model_state_dict(model, load_peft_weights(str(exported.out)))
+        assert result.unexpected_keys == [] and [k for k in result.missing_keys if "lora_" in k] == []
+        wrapped = sorted(n.split("base_model.model.")[1] for n, _ in model.named_modules() if n.endswith(".lora_A"))
+        assert len(wrapped) == exported.hf_modules == 2 + 4 + 2 * 2  # in_proj x2, q/k/v/o, shared up/down x2
+        assert_close(token_logprobs(model, batch["input_ids"]), trainer, f"PEFT adapter on {base.name} vs trainer")
+
+
+def stack_named_model_layers(model_dir: Path, out: Path) -> Path:
+    """model_dir's checkpoint with the names transformers 5 gives the stack in memory (model.layers.N,
+    model.embeddings, model.norm_f) instead of the Hub files' backbone.*."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    renamed = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v for k, v in weights.items()}
+    assert any(k.startswith("model.layers.") for k in renamed) and not any(k.startswith("backbone.") for k in renamed)
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((out / "config.json").read_text())["model_type"] == "nemotron_h"
+    return out
 
 
 def test_vllm_serve_with_the_exporters_hint_serves_the_adapter(exported, model_dir, tmp_path):
@@ -314,7 +406,7 @@ def test_ep2_with_lora_on_out_proj_matches_hf_refits_exactly_and_refuses_to_expo
         assert [i["dp_size"] for i in ep2.infos] == [2, 2]
         ep2.train(with_prev(ep2, batch))
         merged = dict(ep2.export_merged())
-        assert "backbone.layers.2.mixer.experts.3.down_proj.weight" in merged  # every expert, gathered over EP
+        assert "backbone.layers.4.mixer.experts.15.down_proj.weight" in merged  # every expert, gathered over EP
         assert_close(ep2.logprobs(batch), token_logprobs(hf_model(model_dir, merged, tmp_path / "hf"),
                                                          batch["input_ids"]), "EP2 vs HF on its merged export")
         refit_and_check(ep2, engines["merged_delta"], "merged_delta", seed=9)
@@ -330,14 +422,18 @@ def test_ep2_with_lora_on_out_proj_matches_hf_refits_exactly_and_refuses_to_expo
     assert not (tmp_path / "adapter").exists()
 
 
-def test_the_dense_recipe_matches_hf(local_ray, tiny_model, batch, tmp_path):
-    model_dir = tiny_model("tiny_nemotron_h_dense")
-    group = make_group(model_dir, peft={**LORA, "target_modules": ["linear_qkv", "in_proj", "linear_fc2"]})
+@pytest.mark.parametrize("recipe", ["tiny_nemotron_h", "tiny_nemotron_h_dense"])
+def test_the_other_recipes_match_hf(local_ray, tiny_model, batch, tmp_path, recipe):
+    """M*EM*- (MLP layers, MoE without a latent width) and M*-M*- (no MoE), LoRA on the MLP layers too."""
+    model_dir = tiny_model(recipe)
+    group = make_group(model_dir, peft={**LORA, "target_modules": ["linear_qkv", "in_proj", *MLP_TARGETS]})
     try:
         merged = dict(group.export_merged())
-        assert not any("expert" in n or "gate" in n for n in merged)
+        assert any("experts" in n for n in merged) == (recipe == "tiny_nemotron_h")
+        assert not any("latent" in n for n in merged)
         assert_close(group.logprobs(batch), token_logprobs(hf_model(model_dir, merged, tmp_path),
-                                                           batch["input_ids"]), "dense hybrid vs HF")
+                                                           batch["input_ids"]), f"{recipe} vs HF")
+        assert (group.logprobs(batch) - group.logprobs(batch, adapters=False)).abs().max() > 1e-2
     finally:
         group.shutdown()
 
@@ -348,30 +444,45 @@ def test_in_bfloat16_the_expert_bias_stays_float32_and_as_loaded(local_ray, mode
     from safetensors import safe_open
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        saved = f.get_tensor("backbone.layers.2.mixer.gate.e_score_correction_bias")
+        saved = f.get_tensor("backbone.layers.1.mixer.gate.e_score_correction_bias")
     assert saved.dtype == torch.float32 and not torch.equal(saved, saved.bfloat16().float())  # bf16 would change it
     group = make_group(model_dir, dtype="bfloat16")
     try:
         group.train(with_prev(group, batch))
-        (bias,) = group.call("expert_biases")[0].values()
+        bias = group.call("expert_biases")[0]["decoder.layers.1.mlp.router.expert_bias"]
         assert bias.dtype == torch.float32 and torch.equal(bias, saved)
     finally:
         group.shutdown()
 
 
-def test_full_fine_tuning_moves_the_expert_bias_and_checkpoints_it(local_ray, model_dir, batch, tmp_path):
-    """Without LoRA (and without peft.freeze_moe_router) megatron updates the bias every step, as in
-    pretraining: then a checkpoint holds it, and a resume restores it."""
-    group = make_group(model_dir, peft={**LORA, "enabled": False, "target_modules": [], "dim": 0})
+def test_full_fine_tuning_trains_the_latent_projections_alike_at_tp2_and_moves_the_expert_bias(local_ray, model_dir,
+                                                                                                 batch, tmp_path):
+    """Without LoRA the LatentMoE projections train: each TP rank holds the whole weight (the CPU stand-in,
+    as Transformer Engine's duplicated linear) but under sequence parallelism sees only its tokens, so their
+    gradient is summed over TP: the same at TP2 as at TP1. And without LoRA (and without
+    peft.freeze_moe_router) megatron updates the expert bias every step, as in pretraining: then a
+    checkpoint holds it, and a resume restores it."""
+    full = {**LORA, "enabled": False, "target_modules": [], "dim": 0}
+    group = make_group(model_dir, peft=full)
     try:
-        (before,) = group.call("expert_biases")[0].values()
+        tp2 = make_group(model_dir, tp=2, peft=full)
+        try:
+            g1 = group.call("gradients", with_prev(group, batch), only="latent_proj")[0]
+            g2 = tp2.call("gradients", with_prev(tp2, batch), only="latent_proj")[0]
+        finally:
+            tp2.shutdown()
+        assert sorted(g1) == sorted(g2) == [f"decoder.layers.{i}.mlp.fc{k}_latent_proj.weight"
+                                            for i in MOE_LAYERS for k in (1, 2)]
+        top = max(g.abs().max().item() for g in g1.values())
+        assert top > 0 and max((g1[n] - g2[n]).abs().max().item() for n in g1) < 1e-5 * top   # not half of it
+        before = group.call("expert_biases")[0]
         group.train(with_prev(group, batch))
-        (saved,) = group.call("expert_biases")[0].values()
-        assert not torch.equal(saved, before)  # it moved (megatron's update rate: 1e-3 per step)
+        saved = group.call("expert_biases")[0]
+        assert all(not torch.equal(saved[n], before[n]) for n in before)  # moved (megatron's rate: 1e-3 per step)
         group.save_state(tmp_path / "ckpt")
         group.train(with_prev(group, batch))
         group.load_state(tmp_path / "ckpt")
-        (restored,) = group.call("expert_biases")[0].values()
-        assert torch.equal(restored, saved)
+        restored = group.call("expert_biases")[0]
+        assert all(torch.equal(restored[n], saved[n]) for n in saved)
     finally:
         group.shutdown()

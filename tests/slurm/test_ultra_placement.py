@@ -3,10 +3,10 @@ on 6 nodes with 4 fake GPUs each (GRES on device files; Ray is told the node has
 the 16 trainer ranks (TP2 / EP16, 4 per train node) and the TP8 engine's actor and its 8 vLLM
 workers (4 per generation node, vLLM's own placement group) exactly where plan.txt says.
 
-The model is a tiny stand-in of the reference model's family (Nemotron-H: Mamba-2 + attention + MoE):
-the placement smoke builds no model, but validation checks the model's facts against the topology
-(EP16 must divide the experts, TP8 the attention heads, TP2 the Mamba heads and groups), and the
-facts are a checkpoint's, so the stand-in is a tiny checkpoint (tests/helpers/nemotron_h.py)."""
+The model is the tiny stand-in of the reference model as released (Nemotron 3: Mamba-2 + attention +
+LatentMoE + MTP layers), the built-in recipe tiny_nemotron3: the placement smoke builds no model, but
+validation checks the model's facts against the topology (EP16 must divide the experts, TP8 the
+attention heads, TP2 the KV groups, Mamba heads and groups: tests/helpers/nemotron_h.py)."""
 
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def read_plan(text: str) -> tuple[dict[int, int], dict[str, int], dict[int, int]
 def test_ultra_6n4g_places_16_trainers_and_the_tp8_engine_where_the_plan_says(slurm_cluster, tmp_path):
     if len(slurm_cluster.nodes) < NODES:
         pytest.skip(f"needs a {NODES}-node test cluster, this one has {len(slurm_cluster.nodes)} (SLURM_TEST_NODES)")
-    from tests.helpers.nemotron_h import ultra_stand_in
+    from tests.helpers.nemotron_h import ULTRA_STAND_IN
 
     # the test nodes have fewer cores than a GB200 node (the topology asks for 128): all of theirs
-    p = subprocess.run([PY, "-m", "launcher", "topology=ultra_6n4g", "run.job=placement_smoke", *ultra_stand_in(tmp_path),
+    p = subprocess.run([PY, "-m", "launcher", "topology=ultra_6n4g", "run.job=placement_smoke", *ULTRA_STAND_IN,
                         f"topology.cpus_per_node={slurm_cluster.cpus_per_node}", f"run.root={tmp_path}",
                         "logging.tensorboard=false"],
                        capture_output=True, text=True, timeout=120)

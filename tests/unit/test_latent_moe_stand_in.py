@@ -73,14 +73,15 @@ y_mg, bias = layer(x_mg)
 y_mg = y_mg.transpose(0, 1)
 (y_hf * probe).sum().backward()
 (y_mg * probe).sum().backward()
+experts = layer.experts.local_experts
 grads = {
     "input": (x_hf.grad, x_mg.grad.transpose(0, 1)),
     "fc1_latent_proj": (hf.fc1_latent_proj.weight.grad, layer.fc1_latent_proj.weight.grad),
     "fc2_latent_proj": (hf.fc2_latent_proj.weight.grad, layer.fc2_latent_proj.weight.grad),
     "router": (hf.gate.weight.grad, layer.router.weight.grad),
     "shared_fc1": (hf.shared_experts.up_proj.weight.grad, layer.shared_experts.linear_fc1.weight.grad),
-    "expert_fc1": (hf.experts.up_proj.grad, torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts])),
-    "expert_fc2": (hf.experts.down_proj.grad, torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts])),
+    "expert_fc1": (hf.experts.up_proj.grad, torch.stack([e.linear_fc1.weight.grad for e in experts])),
+    "expert_fc2": (hf.experts.down_proj.grad, torch.stack([e.linear_fc2.weight.grad for e in experts])),
 }
 out["bias"] = bias is None
 out["shapes"] = [list(layer.experts.local_experts[0].linear_fc1.weight.shape), list(layer.fc1_latent_proj.weight.shape)]

@@ -33,7 +33,8 @@ SUPER_120B = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron
               "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
               "conv_kernel": 4, "chunk_size": 128, "n_routed_experts": 512, "num_experts_per_tok": 22,
               "moe_intermediate_size": 2688, "moe_latent_size": 1024, "moe_shared_expert_intermediate_size": 5376,
-              "n_shared_experts": 1, "routed_scaling_factor": 5.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+              "n_shared_experts": 1, "routed_scaling_factor": 5.0, "n_group": 1, "topk_group": 1,
+              "norm_topk_prob": True,
               "mlp_hidden_act": "relu2", "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E",
               "layer_norm_epsilon": 1e-5, "time_step_min": 0.001, "partial_rotary_factor": 1.0, "rope_theta": 10000,
               "vocab_size": 131072, "max_position_embeddings": 262144}
@@ -191,6 +192,9 @@ def errors(*overrides: str) -> list[str]:
 
 
 @pytest.mark.parametrize("overrides", [
+    ["model=tiny_nemotron3"], ["model=tiny_nemotron3", "topology.train.expert_parallel=2"],
+    ["model=tiny_nemotron3", "refit=adapter", "peft.target_modules=[linear_qkv,linear_proj,in_proj,"
+                                              "decoder.layers.*.mlp.shared_experts.linear_fc1]"],
     ["model=tiny_nemotron_h"], ["model=tiny_nemotron_h", "topology.train.expert_parallel=2"],
     ["model=tiny_nemotron_h_dense"], ["model=tiny_nemotron_h", "refit=merged_delta"],
     ["model=tiny_nemotron_h", "refit=adapter", "peft.target_modules=[linear_qkv,linear_proj,in_proj]"],
@@ -200,16 +204,17 @@ def test_nemotron_h_recipes_are_valid(overrides):
     assert errors(*overrides) == []
 
 
-def test_the_reference_topologys_placement_smoke_stand_in_is_a_valid_nemotron_h(tmp_path):
-    """tests/slurm/test_ultra_placement.py's model: its facts (a checkpoint's) fit ultra_6n4g."""
+def test_the_reference_topologys_placement_smoke_stand_in_is_a_valid_nemotron_h():
+    """tests/slurm/test_ultra_placement.py's model, the released architecture's recipe: its facts fit ultra_6n4g."""
     from launcher.config.compose import compose
-    from tests.helpers.nemotron_h import ultra_stand_in
+    from tests.helpers.nemotron_h import ULTRA_STAND_IN
 
-    stand_in = ultra_stand_in(tmp_path)
-    assert errors("topology=ultra_6n4g", "run.job=placement_smoke", *stand_in) == []
-    m = compose(["topology=ultra_6n4g", *stand_in]).model
+    assert errors("topology=ultra_6n4g", "run.job=placement_smoke", *ULTRA_STAND_IN) == []
+    m = compose(["topology=ultra_6n4g", *ULTRA_STAND_IN]).model
     assert (m.family, m.num_experts, m.num_attention_heads, m.num_query_groups, m.family_facts.mamba_num_heads,
-            m.family_facts.n_groups) == ("nemotron_h", 16, 8, 8, 8, 2)
+            m.family_facts.n_groups) == ("nemotron_h", 16, 8, 2, 8, 2)
+    assert (m.family_facts.moe_latent_size, m.family_facts.num_nextn_predict_layers,
+            m.family_facts.mtp_hybrid_override_pattern) == (32, 1, "*E")
     # the facts are the checkpoint's: stated numbers do not make a stand-in (the recipe's 4 experts stay)
     assert "must divide model.num_experts = 4, got 16" in " ".join(
         errors("topology=ultra_6n4g", "run.job=placement_smoke", "model=tiny_nemotron_h", "model.num_experts=16"))
@@ -223,6 +228,18 @@ def test_tensor_parallel_must_divide_the_mamba_heads_and_groups(tmp_path):
     assert errors(f"model.path={d}", "topology.train.tensor_parallel=4", "topology.train.ranks_per_node=4") == [
         "topology.train.tensor_parallel: must divide the Mamba heads (12) and groups (6) of model ckpt, got 4"]
     assert errors(f"model.path={d}", "topology.train.tensor_parallel=2") == []
+
+
+@pytest.mark.parametrize("targets", ["[linear_qkv,fc1_latent_proj]", "[fc2_latent_proj]", "[decoder.layers.*.mlp.*]"])
+def test_lora_on_the_latent_projections_is_refused_in_one_line(targets):
+    """No half of the stack carries an adapter on LatentMoE's projections the same (validate._latent_lora)."""
+    found = errors("model=tiny_nemotron3", f"peft.target_modules={targets}")
+    assert len(found) == 1 and found[0].startswith("peft.target_modules: ") and \
+        "wrap LatentMoE's projections (fc1_latent_proj, fc2_latent_proj) of tiny_nemotron3: LoRA on them is not " \
+        "supported" in found[0]
+    # without a latent width the names are no module at all
+    assert "matches no module of model tiny_nemotron_h" in errors("model=tiny_nemotron_h",
+                                                                  "peft.target_modules=[fc1_latent_proj]")[0]
 
 
 def test_adapter_refit_refuses_what_peft_cannot_hold():

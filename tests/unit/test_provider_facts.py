@@ -101,7 +101,8 @@ def test_nemotron_h_is_checked_on_its_pattern_and_mamba_sizes_too(probed, name):
     provider is checked on the layer pattern and Mamba groups as on the attention numbers."""
     pattern = {"nemotron-3-nano-scaled": "MEMEM*E", "tiny_nemotron_h-s0": "M*EM*-",
                "tiny_nemotron_h_dense-s0": "M*-M*-", "tiny_nemotron3-s0": "MEM*E"}[name]
-    latent = ["family_facts.moe_latent_size: the run's 64, Megatron's moe_latent_size 32"] if name == "tiny_nemotron3-s0" else []
+    latent = (["family_facts.moe_latent_size: the run's 64, Megatron's moe_latent_size 32"]
+              if name == "tiny_nemotron3-s0" else [])
     assert probed[name]["bridge_alone"] == []
     assert probed[name]["other"] == [
         "num_query_groups: the run's 1, Megatron's num_query_groups 2",

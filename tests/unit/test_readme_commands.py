@@ -76,7 +76,7 @@ HERE = {
     "--max-lora-rank R --dtype float32": Row("serve"),
     "python -m launcher model=tiny_qwen3_moe topology.train.expert_parallel=2": Row("submit=false",
                                                                                    shows="nothing was run"),
-    "python -m launcher model=tiny_nemotron_h": Row("submit=false", shows="nothing was run"),
+    "python -m launcher model=tiny_nemotron3": Row("submit=false", shows="nothing was run"),
 }
 
 

@@ -21,7 +21,9 @@ vLLM's worker; `workers.generator.serve`, also in the engine process it spawns).
                     non-gated path. The refusal is let through on CPU; the CPU experts keep a
                     non-gated layer's weights as loaded ([E, I, H] up, [E, H, I] down: no padding,
                     no prepacking) and compute it in torch, one expert at a time; gated layers
-                    are untouched.
+                    are untouched. So the C++ kernel's alignment (hidden and expert widths divisible
+                    by 32) does not bind a non-gated layer: a LatentMoE layer whose latent width is
+                    16 was refused ("No Unquantized MoE backend supports the deployment configuration").
   vllm_hybrid_no_prefix_cache
                     prefix caching off for hybrid (Mamba + attention) models: on CPU a prefill
                     longer than the Mamba block crashes with prefix caching on (IndexError in
@@ -104,6 +106,12 @@ def _moe_relu2() -> None:
 
     FusedMoEConfig.__post_init__ = __post_init__
     CPUUnquantizedExperts._supports_no_act_and_mul = staticmethod(lambda: True)
+    grouped_gemm = CPUUnquantizedExperts._supports_grouped_gemm.__func__
+
+    def _supports_grouped_gemm(cls, moe_config):
+        return (True, None) if not moe_config.is_act_and_mul else grouped_gemm(cls, moe_config)
+
+    CPUUnquantizedExperts._supports_grouped_gemm = classmethod(_supports_grouped_gemm)
     supports = CPUUnquantizedExperts._supports_activation
     CPUUnquantizedExperts._supports_activation = staticmethod(
         lambda activation: activation == MoEActivation.RELU2_NO_MUL or supports(activation))

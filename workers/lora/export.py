@@ -106,9 +106,12 @@ def _not_in_adapter(groups, shapes: dict[str, list[int]]) -> list[str]:
     held = {m for g in groups for m in g.hf_modules}
     suffixes = {m.rsplit(".", 1)[-1] for m in held}
     # routed experts (`.experts.N.` on disk) are one fused parameter per layer in transformers 5, not
-    # Linear modules PEFT could wrap (naming them only makes PEFT warn that nothing was excluded)
+    # Linear modules PEFT could wrap (naming them only makes PEFT warn that nothing was excluded); a
+    # Nemotron 3 checkpoint's MTP layers (`mtp.layers.N.`) are no module of transformers' model at all (and
+    # vLLM's LoRA skips them), and spelled from `layers.` on they would exclude the stack's own layer N
     others = {name[: -len(".weight")] for name, shape in shapes.items()
-              if name.endswith(".weight") and len(shape) == 2 and ".experts." not in name} - held
+              if name.endswith(".weight") and len(shape) == 2 and ".experts." not in name
+              and not name.startswith("mtp.")} - held
     return sorted(m[m.find("layers."):] if "layers." in m else m
                   for m in others if m.rsplit(".", 1)[-1] in suffixes)
 
