@@ -161,13 +161,16 @@ def run(args) -> list[dict]:
     cpu_shim.apply("cpu")
     model_dir = tiny_models.build(Path(args.cache) / f"{args.model}-std{args.init_std:g}", args.model,
                                   init_std=args.init_std)
-    ray.init(num_cpus=4, resources={"train_slot": 1, "generation_slot": 2}, include_dashboard=False,
-             object_store_memory=1536 * 2**20, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    own = not ray.is_initialized()  # else in a Ray of the caller's (the test suite's) with these resources
+    if own:
+        ray.init(num_cpus=4, resources={"train_slot": 1, "generation_slot": 2}, include_dashboard=False,
+                 object_store_memory=1536 * 2**20, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     try:
         return [row for label in args.dtypes for row in run_dtype(model_dir, label, args)]
     finally:
-        ray.shutdown()
+        if own:
+            ray.shutdown()
 
 
 def rounding(model_dir: Path, ratios=(1e-4, 1e-3, 1e-2, 1e-1), dim: int = 16, seed: int = 0) -> list[dict]:

@@ -47,6 +47,7 @@ PREFLIGHT_TABLE = "preflight.txt"   # the same as the table it printed
 PREFLIGHT_PROBES = "preflight"      # RUN/preflight/<job>.<attempt>/: the probes' files
 RELEASE = "release"                 # run.job=hold: `touch RUN/release` ends it
 ACTOR_LOGS = "logs/actors"          # RUN/logs/actors/<host>-pid<pid>.log: every Ray worker's stdout/stderr
+RAY_LOGS = "logs/ray"               # RUN/logs/ray/<host>/<session>/: Ray's daemons' logs, kept when its temp dir goes
 IN_USE = ".in_use"                  # flock'ed by a local run's process while it lives
 STOP_REQUEST = "stop_requested"     # written by `python -m launcher.stop`
 STOPPED = "stopped.json"            # written when the driver ended because of it

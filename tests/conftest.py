@@ -2,6 +2,7 @@
 
 Tests are grouped by what they start: tests/unit (no Ray, no model processes), tests/integration
 (local Ray, real Megatron, real vLLM), tests/slurm (the local Slurm cluster), tests/e2e (whole runs).
+They run in that order, the unit tests on every core (tests/helpers/tiers.py, docs/testing.md).
 """
 
 from __future__ import annotations
@@ -21,9 +22,55 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 REPO = Path(__file__).resolve().parents[1]
 
 
+# ------------------------------------------------------------------------ order and workers
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`pytest tests` (README's command) and `pytest tests/unit` start one worker per core (before
+    xdist reads the option); an explicit -n/--dist, a narrower selection or a worker itself: as given."""
+    from tests.helpers import tiers
+
+    if (os.environ.get("PYTEST_XDIST_WORKER") or not config.pluginmanager.hasplugin("xdist")
+            or config.getoption("collectonly") or config.option.numprocesses is not None
+            or config.option.dist != "no"):
+        return
+    n = tiers.workers(config.args, str(config.rootpath))
+    if n > 1:
+        config.option.numprocesses = n
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """The unit tier on every worker, then every other test on one (tests/helpers/tiers.py)."""
+    from tests.helpers import tiers
+
+    return tiers.scheduler(config, log) if config.getvalue("dist") == "load" else None
+
+
+def pytest_collection_modifyitems(config, items):
+    from tests.helpers import tiers
+
+    tiers.order(items)
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests.helpers import tiers
+
+    reports = [r for key in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+               for r in terminalreporter.stats.get(key, []) if hasattr(r, "nodeid") and r.nodeid]
+    if reports:
+        terminalreporter.write_sep("=", "time per tier")
+        for line in tiers.summary(reports):
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+    """The session's tiny models; under pytest-xdist one folder for all workers (a model another
+    worker built is reused: workers.tiny_models writes a model whole, once)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.mktemp("models")
+    shared = tmp_path_factory.getbasetemp().parent / "models"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")
@@ -49,15 +96,23 @@ def nemotron_h_nano(model_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def local_ray():
-    """One local Ray instance for the integration tests of a session, with both role resources."""
+    """One local Ray instance for the integration tests of a session, with both role resources.
+    Its temp dir (Ray's session, and the TMPDIR of its workers: vLLM's rendezvous files) is a
+    fresh one, removed at the end, as a launcher run removes its own (launcher.cluster.reaper)."""
+    import shutil
+    import tempfile
+
     ray = pytest.importorskip("ray")
+    temp = tempfile.mkdtemp(prefix="ray-tests-")  # short: Ray's socket paths must stay under 108 characters
+    os.mkdir(f"{temp}/tmp")
     if not ray.is_initialized():
         ray.init(num_cpus=8, resources={"train_slot": 4, "generation_slot": 2}, include_dashboard=False,
-                 object_store_memory=512 * 2**20, log_to_driver=True,
+                 object_store_memory=512 * 2**20, log_to_driver=True, _temp_dir=temp,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                                           "HF_HUB_OFFLINE": "1"}})
+                                           "HF_HUB_OFFLINE": "1", "TMPDIR": f"{temp}/tmp"}})
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def ray_processes_of(job: str) -> list[str]:

@@ -86,7 +86,8 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
 
     `spec`: architecture numbers in place of the recipe's (same keys; tests build fixtures so).
     Idempotent: an existing complete directory built from the same recipe and seed is reused.
-    Written into a temporary sibling and renamed, so concurrent builders never see half a model.
+    Written into a temporary sibling and renamed, so concurrent builders never see half a model,
+    and one that finds it built meanwhile by another keeps that one (which a reader may be using).
     """
     spec = dict(spec or BUILTIN_MODELS[recipe])
     stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": spec}
@@ -116,7 +117,7 @@ def build_from_config(out_dir: str | Path, config: dict, seed: int = 0, init_std
 def _write(out: Path, stamp: dict, hf_config, tokenizer, seed: int, init_std: float,
            config_json: dict | None = None) -> Path:
     transformers.utils.logging.disable_progress_bar()
-    if (out / "tiny_model.json").exists() and json.loads((out / "tiny_model.json").read_text()) == stamp:
+    if _built(out, stamp):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -145,6 +146,9 @@ def _write(out: Path, stamp: dict, hf_config, tokenizer, seed: int, init_std: fl
     if getattr(cfg, "model_type", None) == "nemotron_h" and getattr(cfg, "num_nextn_predict_layers", 0):
         _add_mtp_layers(tmp, cfg, init_std)
     (tmp / "tiny_model.json").write_text(json.dumps(stamp, indent=1))
+    if _built(out, stamp):  # by another process meanwhile (it may be reading it): keep that one
+        shutil.rmtree(tmp)
+        return out
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -209,6 +213,13 @@ def _add_mtp_layers(directory: Path, cfg, init_std: float) -> None:
     config = json.loads((directory / "config.json").read_text())
     config["mtp_hybrid_override_pattern"] = cfg.mtp_hybrid_override_pattern
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _built(out: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((out / "tiny_model.json").read_text()) == stamp
+    except (OSError, ValueError):
+        return False
 
 
 def main(argv=None):

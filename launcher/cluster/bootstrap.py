@@ -14,7 +14,7 @@ path) or through `srun python -m launcher.cluster.bootstrap RUN_DIR` (the sbatch
 - The driver waits while nodes keep registering; once none has registered for
   `ray.register_timeout_s` it fails naming the missing nodes. When the driver ends it writes
   `done`; every task then stops its own `ray start` process tree by PID (never `ray stop`, which
-  kills every Ray on the host).
+  kills every Ray on the host) and removes its Ray temp dir (ray_node.stop_node).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from launcher import progress
 from launcher.cluster import preflight, stop
 from launcher.cluster.context import ClusterError, JobContext, log
 from launcher.cluster.join import retry_delay
-from launcher.cluster.ray_node import (connect, disconnect, driver_env, free_port, resolve_ip, start_ray,
-                                       stop_process_tree, wait_for_nodes, wait_port)
+from launcher.cluster.ray_node import (connect, disconnect, driver_env, free_port, resolve_ip, start_ray, stop_node,
+                                       wait_for_nodes, wait_port)
 from launcher.cluster.watch import WORKER_TICK_S, HeadWatch, WorkerWatch, ray_exit, ray_stopped, write_node_report
 from launcher.config import compose as config_mod
 from launcher.config.schema import Config
@@ -215,11 +215,11 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
     finally:
         files.write_json(ctx.rendezvous / paths.DONE, status)
         if any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
-            stop_process_tree(ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
+            stop_node(ctx, ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
             disconnect()
         else:
             disconnect()
-            stop_process_tree(ray_proc)
+            stop_node(ctx, ray_proc)
 
 
 # --------------------------------------------------------------------------------------- worker
@@ -256,7 +256,7 @@ def run_worker(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> dict:
             while (state := watch.check(time.time())) is None:
                 time.sleep(WORKER_TICK_S)
         finally:
-            stop_process_tree(proc)
+            stop_node(ctx, proc)
         if state == "done" or done.exists():
             return {"node": ctx.hostname, "role": "worker", "joined": True, "attempts": attempt}
         if (ctx.rendezvous / paths.REGISTERED).exists():  # the run had started: rejoining cannot help it

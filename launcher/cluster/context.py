@@ -58,8 +58,20 @@ class JobContext:
 
     @property
     def ray_temp_dir(self) -> Path:
-        """Node-local and short (Ray's unix socket paths must stay under 108 characters)."""
+        """Node-local and short (Ray's unix socket paths must stay under 108 characters); removed
+        when this node's Ray stops (launcher.cluster.reaper.clean_up)."""
         return Path(f"/tmp/ray_{self.job_id}_{self.attempt}_{self.node_index}")
+
+    @property
+    def worker_tmp(self) -> Path:
+        """TMPDIR of this node's Ray workers, inside ray_temp_dir: what they leave in "the temp dir"
+        (vLLM's rendezvous file vllm_dist_* and IPC sockets, refit adapters) goes with it."""
+        return self.ray_temp_dir / "tmp"
+
+    @property
+    def ray_logs(self) -> Path:
+        """RUN/logs/ray/<host>/: where the Ray daemons' logs of this node's Ray sessions are kept."""
+        return self.run_dir / paths.RAY_LOGS / self.hostname
 
 
 def log(msg: str) -> None:

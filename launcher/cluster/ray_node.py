@@ -63,7 +63,7 @@ def wait_for_nodes(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, poll_s: fl
         alive = query()
         now = clock()
         deadline.observe((index_of[r] for r in alive if r in index_of), now)
-        fatal = fatal_ray_error(ctx.ray_temp_dir, since=0.0)  # this job attempt's own temp dir
+        fatal = fatal_ray_error(ctx, since=0.0)  # this job attempt's own temp dir
         if fatal:
             raise ClusterError(f"node 0 ({ctx.hostname}, head): {fatal}")
         reports = node_reports(ctx, plan)
@@ -106,6 +106,23 @@ def driver_env(ctx: JobContext) -> dict[str, str]:
     return {**auth_env(ctx), "RAY_ENABLE_AUTO_CONNECT": "0"}
 
 
+def worker_tmp_env(ctx: JobContext) -> dict[str, str]:
+    """The Ray workers' temp dir is the job's own (ctx.worker_tmp, removed with the node's Ray);
+    torch's compile cache, which torch would put in the temp dir, stays where it would have been
+    (shared by the user's runs: a GPU run's compiled kernels are not compiled again each run)."""
+    import getpass
+    import re
+    import tempfile
+
+    try:  # torch._inductor.runtime.cache_dir_utils.default_cache_dir, without importing torch
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    default = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    return {"TMPDIR": str(ctx.worker_tmp),
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", default)}
+
+
 def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: str, port: int,
               head: bool) -> subprocess.Popen:
     """`ray start --block` for this node, in its own session so its whole tree can be stopped."""
@@ -128,25 +145,29 @@ def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: st
         cmd += [f"--address={head_ip}:{port}"]
     log_file = ctx.log_path("ray")
     _log.debug(f"{ctx.hostname}: $ {shlex.join(cmd)} (log: {log_file})")
-    env = {**os.environ, **auth_env(ctx), "RAY_USAGE_STATS_ENABLED": "0"}
+    ctx.worker_tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
+    env = {**os.environ, **auth_env(ctx), **worker_tmp_env(ctx), "RAY_USAGE_STATS_ENABLED": "0"}
+    reaper = [sys.executable, "-m", "launcher.cluster.reaper", f"--temp-dir={ctx.ray_temp_dir}",
+              f"--keep-logs={ctx.ray_logs}", str(os.getpid())]
     with files.open_append(log_file) as out:  # the run directory's mode
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
         # under launcher.cluster.reaper: nothing of this Ray node survives this process (see its docstring)
-        return subprocess.Popen([sys.executable, "-m", "launcher.cluster.reaper", str(os.getpid()), *cmd], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=stop.block_job_signals)
+        return subprocess.Popen([*reaper, *cmd], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=stop.block_job_signals)
 
 
-def fatal_ray_error(temp_dir: Path, since: float) -> str | None:
-    """The fatal error of a Ray daemon on this node (raylet, GCS), from its logs, if one died.
+def fatal_ray_error(ctx: JobContext, since: float) -> str | None:
+    """The fatal error of a Ray daemon on this node (raylet, GCS), from its logs, if one died; the
+    log it names is where the file is kept once the node's Ray stopped (stop_node).
 
     `ray start` notices a dead raylet only after its 30 s registration timeout; the daemon's own
     log says what happened within a second ("Failed to start the grpc server ... port 6800",
     "Address already in use")."""
-    logs = temp_dir / "session_latest" / "logs"
+    logs = ctx.ray_temp_dir / "session_latest" / "logs"
     if not logs.is_dir():
         return None
+    kept = ctx.ray_logs / logs.parent.resolve().name
     for f in sorted(logs.glob("*")):
         if not f.name.startswith(("raylet", "gcs_server")) or f.stat().st_mtime < since:
             continue
@@ -158,8 +179,17 @@ def fatal_ray_error(temp_dir: Path, since: float) -> str | None:
             if " C " in line and "Check failed:" in line:
                 what = line.split("Check failed:", 1)[1].split(" This means", 1)[0].strip()
                 why = " (Address already in use)" if "Address already in use" in text else ""
-                return f"{f.name.split('.')[0]} died: {what}{why} (log: {f})"
+                return f"{f.name.split('.')[0]} died: {what}{why} (log: {kept / f.name})"
     return None
+
+
+def stop_node(ctx: JobContext, proc: subprocess.Popen) -> None:
+    """Stop this node's Ray (`proc`, start_ray's reaper) and remove what it left on the node: its
+    temp dir, the daemons' logs kept in RUN/logs/ray/<host>/ (launcher.cluster.reaper.clean_up)."""
+    from launcher.cluster.reaper import clean_up
+
+    stop_process_tree(proc)
+    clean_up(ctx.ray_temp_dir, ctx.ray_logs)
 
 
 def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:

@@ -10,6 +10,12 @@ always the whole Ray tree of this node. It kills that tree (SIGKILL, by PID) whe
 The bootstrap stops Ray normally by killing the reaper's tree itself (ray_node.stop_process_tree).
 The job's signals (SIGTERM, SIGUSR2) are blocked here and in CMD (launcher.cluster.stop.block_job_signals).
 The process tree is read with psutil (as the driver's start-up breakdown reads process start times).
+
+Nor do its files: with `--temp-dir TEMP --keep-logs DEST`, once the tree is dead the node's Ray
+temp dir TEMP (Ray's session: sockets, spilled objects, its daemons' logs; and the TMPDIR of every
+Ray worker: vLLM's rendezvous file and IPC sockets, refit adapters) is removed, the daemons' logs
+kept first under DEST in the run directory (`clean_up`; the bootstrap calls it itself when it stops
+the tree, launcher.cluster.ray_node.stop_node).
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -45,6 +53,24 @@ def kill_below(pid: int) -> None:
                 pass
 
 
+def clean_up(temp_dir: Path, keep_logs: Path | None) -> None:
+    """Once the node's Ray is dead: its daemons' logs (every regular file of each Ray session's
+    `logs/`) copied to `keep_logs/<session>/` with the run directory's modes (launcher.files), then
+    `temp_dir` removed. A file that cannot be copied is skipped: the removal must happen anyway."""
+    temp_dir = Path(temp_dir)
+    if keep_logs is not None:
+        from launcher import files
+
+        for logs in sorted(temp_dir.glob("session_2*/logs")):
+            for f in sorted(logs.iterdir()):
+                try:
+                    if f.is_file() and not f.is_symlink() and f.stat().st_size:
+                        files.copy(f, Path(keep_logs) / logs.parent.name / f.name)
+                except OSError:
+                    pass
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def _alive(pid: int) -> bool:
     return psutil.pid_exists(pid)
 
@@ -53,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.cluster.reaper",
                                      description="Run CMD as a child subreaper; kill its whole tree when CMD or "
                                                  "PARENT_PID ends (started by launcher.cluster.ray_node.start_ray).")
+    parser.add_argument("--temp-dir", type=Path, help="the node's Ray temp dir: removed once the tree is dead")
+    parser.add_argument("--keep-logs", type=Path, help="where the Ray daemons' logs are kept before that")
     parser.add_argument("parent", type=int, metavar="PARENT_PID", help="the bootstrap that started this")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="`ray start --block ...`")
     args = parser.parse_args(argv)
@@ -69,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             deadline = time.time() + 10
             while time.time() < deadline and len(descendants(me)) > 1:
                 _reap_zombies(me, child.pid)
+                child.poll()  # CMD's zombie too
                 time.sleep(0.05)
+            orphaned = not _alive(parent) or os.getppid() != parent
+            if orphaned and args.temp_dir is not None and len(descendants(me)) == 1:
+                clean_up(args.temp_dir, args.keep_logs)  # else the bootstrap does, once it read the logs
             return rc if rc is not None else 1
         _reap_zombies(me, child.pid)
         time.sleep(0.2)

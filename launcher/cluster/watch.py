@@ -102,7 +102,7 @@ class WorkerWatch:
             return "done"
         if self.proc.poll() is not None:
             return "stopped"
-        self.fatal = fatal_ray_error(self.ctx.ray_temp_dir, since=self.started)  # node-local logs
+        self.fatal = fatal_ray_error(self.ctx, since=self.started)  # node-local logs
         if self.fatal:
             return "stopped"
         if now >= self.next_probe:

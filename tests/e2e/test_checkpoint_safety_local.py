@@ -1,7 +1,9 @@
-"""Real local runs (`python -m launcher` on this machine) for docs/security.md:
-- a branch resume (+resume=step_2 on a run that has step_4) moves the newer checkpoint and
+"""Real local runs (`python -m launcher` on this machine) for docs/security.md, on the session's
+trained run (tests/e2e/conftest.py: 4 steps, checkpoints step_1..step_4) or a copy of it:
+- a branch resume (+resume=step_2 on a run that has step_4) moves the newer checkpoints and
   metrics rows aside, keeps the branch's own checkpoint through retention, and its retry/requeue
-  path resumes from the branch's newest;
+  path resumes from the branch's newest; with another grpo.max_num_steps (and
+  optim.override_opt_param_scheduler) the branch's step equals the uninterrupted run's, bitwise;
 - a real trainer checkpoint whose `.metadata` was replaced by a pickle that runs code, with a
   manifest rewritten to match, is refused at submission: nothing runs;
 - a real checkpoint whose records disagree with each other (training_info.json against its
@@ -19,30 +21,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.runs import deterministic, launch, rows, trainer_tensors
+
 pytestmark = pytest.mark.e2e
 PY = sys.executable
 COMMON = ["grpo.max_num_steps=4", "checkpointing.save_period=2", "checkpointing.keep_top_k=null",
           "logging.tensorboard=false"]
 
 
-def launch(root: Path, *overrides: str, rc: int = 0) -> subprocess.CompletedProcess:
-    p = subprocess.run([PY, "-m", "launcher", f"run.root={root}", *COMMON, *overrides],
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == rc, p.stdout[-4000:] + p.stderr[-4000:]
-    return p
-
-
 def steps(run: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trained")
-    launch(root)
-    run = root / "local-tiny_llama"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
-    return root, run
+    return [x["step"] for x in rows(run)]
 
 
 class Payload:
@@ -55,19 +43,18 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_forged_real_checkpoint_is_refused_before_anything_runs(trained, tmp_path):
+def test_forged_real_checkpoint_is_refused_before_anything_runs(trained_run, tmp_path):
     from launcher.driver.checkpoints import MANIFEST, _files
 
-    _, run = trained
     ckpt = tmp_path / "theirs" / "step_4"
-    shutil.copytree(run / "checkpoints" / "step_4", ckpt)
+    shutil.copytree(trained_run.checkpoint(4), ckpt)
     meta = ckpt / "trainer" / ".metadata"
     marker = tmp_path / "pwned"
     with open(meta, "rb") as f:
         real = pickle.load(f)
     meta.write_bytes(pickle.dumps((Payload(marker), real)))
     (ckpt / MANIFEST).write_text(json.dumps({"files": _files(ckpt)}))
-    p = launch(tmp_path / "mine", f"+resume={ckpt}", rc=2)
+    p = launch(tmp_path / "mine", *COMMON, f"+resume={ckpt}", rc=2)
     assert p.stderr.startswith(f"error: resume: {meta}: refused to unpickle posix.system") and \
         p.stderr.count("\n") == 1, p.stderr
     assert not marker.exists() and not (tmp_path / "mine").exists()
@@ -82,41 +69,48 @@ def test_forged_real_checkpoint_is_refused_before_anything_runs(trained, tmp_pat
     ("step_2", {"step": 2, "consumed_prompts": 8}, "step: 2, but the trainer state in {ckpt}/trainer is at step 4"),
     ("step_4", {"step": -5, "consumed_prompts": -1}, "step: must be an integer >= 0, got -5"),
 ])
-def test_a_real_checkpoint_whose_records_disagree_is_refused_before_ray(trained, tmp_path, folder, info, message):
+def test_a_real_checkpoint_whose_records_disagree_is_refused_before_ray(trained_run, tmp_path, folder, info,
+                                                                       message):
     """issue 26: `"step": -5, "consumed_prompts": -1` (manifest rewritten) resumed "at step -5" and ran
     steps -4..3; the trainer's own saved step was never compared."""
     from tests.helpers.checkpoints import rewrite_manifest
 
-    _, run = trained
     ckpt = tmp_path / "theirs" / folder
-    shutil.copytree(run / "checkpoints" / "step_4", ckpt)
+    shutil.copytree(trained_run.checkpoint(4), ckpt)
     (ckpt / "training_info.json").write_text(json.dumps({**info, "metrics": {}}))
     rewrite_manifest(ckpt)
-    p = launch(tmp_path / "mine", f"+resume={ckpt}", rc=2)
+    p = launch(tmp_path / "mine", *COMMON, f"+resume={ckpt}", rc=2)
     line = f"error: resume: {ckpt}/training_info.json: " + message.format(ckpt=ckpt)
     assert p.stderr.startswith(line) and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "mine").exists()   # no run directory, so no rendezvous: Ray never started
     assert p.stdout == ""
 
 
-def test_resume_from_an_older_step_is_a_new_branch(trained):
+def test_resume_from_an_older_step_is_a_new_branch(trained_run, tmp_path):
     from launcher.cluster.bootstrap import resume_after_requeue
     from launcher.config.compose import compose
     from launcher.config.schema import typed
 
-    root, run = trained
+    run = trained_run.copy(tmp_path)
     before = steps(run)
     assert before == [1, 2, 3, 4]
-    p = launch(root, "+resume=step_2", "grpo.max_num_steps=3", "checkpointing.save_period=1",
-               "checkpointing.keep_top_k=1", "optim.override_opt_param_scheduler=true")
+    p = launch(tmp_path, "+resume=step_2", "grpo.max_num_steps=3", "checkpointing.save_period=1",
+               "checkpointing.keep_top_k=1", "optim.override_opt_param_scheduler=true", "logging.tensorboard=false")
     assert "starts a new branch" in p.stderr
     (branch,) = (run / "checkpoints" / "abandoned").iterdir()
-    assert branch.name.endswith("-from-step_2") and [c.name for c in branch.iterdir()] == ["step_4"]
+    assert branch.name.endswith("-from-step_2") and sorted(c.name for c in branch.iterdir()) == ["step_3", "step_4"]
     moved = (run / "abandoned" / branch.name / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in moved] == [3, 4]     # the old history, kept aside
     assert steps(run) == [1, 2, 3]                                # one history: the branch's
     kept = sorted(c.name for c in (run / "checkpoints").iterdir())
     assert "step_3" in kept and "step_4" not in kept              # the branch's checkpoint survives retention
+    # its schedule was built for 3 steps (override_opt_param_scheduler), the saved one for 4: with the
+    # demo's constant learning rate, step 3 is the uninterrupted run's, bitwise
+    assert [deterministic(x) for x in rows(run)] == [deterministic(x) for x in trained_run.rows()[:3]]
+    a, b = trainer_tensors(trained_run.checkpoint(3)), trainer_tensors(run / "checkpoints" / "step_3")
+    assert sorted(a) == sorted(b) and any(".adapter." in k for k in a) and any("exp_avg" in k for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].equal(b[k]), k
     # a requeue or retry of this run continues the branch, not the abandoned step_4
-    cfg = typed(compose([f"run.root={root}", *COMMON, "+resume=step_2"]))
+    cfg = typed(compose([f"run.root={tmp_path}", *COMMON, "+resume=step_2"]))
     assert resume_after_requeue(cfg, run) == str(run / "checkpoints" / "step_3")

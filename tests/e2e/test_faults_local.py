@@ -8,76 +8,24 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.held_step import HELD_REWARD, release, wait_held
+from tests.helpers.runs import Background, left_in_tmp
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable
 QUIET = ["logging.tensorboard=false"]
 
 
-class Run:
-    """`python -m launcher ...` in the background, its output collected line by line."""
-
-    def __init__(self, root: Path, *overrides: str):
-        self.root = root
-        self.run_dir = root / "local-tiny_llama"
-        self.proc = subprocess.Popen([PY, "-m", "launcher", f"run.root={root}", *QUIET, *overrides],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True).start()
-
-    def wait_for(self, pattern: str, timeout: float = 300) -> re.Match:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            for line in list(self.out):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            assert self.proc.poll() is None, "".join(self.out[-30:] + self.err[-30:])
-            time.sleep(0.1)
-        raise AssertionError(f"no {pattern!r} within {timeout}s:\n" + "".join(self.out[-30:]))
-
-    def steps(self) -> list[int]:
-        f = self.run_dir / "metrics.jsonl"
-        return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.exists() else []
-
-    def wait_steps(self, n: int, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while len(self.steps()) < n:
-            assert self.proc.poll() is None, "".join(self.out[-30:] + self.err[-30:])
-            assert time.time() < deadline
-            time.sleep(0.05)
-
-    def ended(self) -> str | None:
-        """None while the launcher runs, else its output's tail."""
-        return None if self.proc.poll() is None else "".join(self.out[-30:] + self.err[-30:])
-
-    def finish(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
-
-    def job(self) -> str:
-        return next((self.run_dir / "ray").iterdir()).name.split(".")[0]
-
-
 def test_killed_trainer_rank_ends_the_run_named_within_60s(tmp_path, no_ray_left):
-    run = Run(tmp_path, "grpo.max_num_steps=500", "checkpointing.save_period=1000")
+    run = Background(tmp_path, *QUIET, "grpo.max_num_steps=500", "checkpointing.save_period=1000")
     pid = int(run.wait_for(r"trainer rank 1: \S+-pid(\d+)\.log").group(1))
     run.wait_steps(2)
     os.kill(pid, signal.SIGKILL)
@@ -89,12 +37,13 @@ def test_killed_trainer_rank_ends_the_run_named_within_60s(tmp_path, no_ray_left
     assert int(m.group(1)) == pid and m.group(2) in ("refit", "generation", "logprobs", "training")
     assert "Traceback" not in err
     no_ray_left(run.job())
+    assert left_in_tmp(run.job()) == []  # and its Ray temp dir is gone
 
 
 def test_killed_vllm_engine_restarts_from_checkpoint_and_finishes(tmp_path):
     steps = 6
-    run = Run(tmp_path, f"grpo.max_num_steps={steps}", "checkpointing.save_period=2", "retry.max_restarts=1",
-              "checkpointing.keep_top_k=null", *HELD_REWARD)
+    run = Background(tmp_path, *QUIET, f"grpo.max_num_steps={steps}", "checkpointing.save_period=2",
+                     "retry.max_restarts=1", "checkpointing.keep_top_k=null", *HELD_REWARD)
     pid = int(run.wait_for(r"vLLM engine 0: \S+-pid(\d+)\.log").group(1))
     wait_held(run.run_dir, run.ended, timeout=300)
     os.kill(pid, signal.SIGKILL)  # in step 3 (held_step.HELD_STEP)
@@ -112,7 +61,7 @@ def test_killed_vllm_engine_restarts_from_checkpoint_and_finishes(tmp_path):
 
 
 def test_ctrl_c_saves_a_checkpoint_then_stops_and_a_second_stops_at_once(tmp_path, no_ray_left):
-    run = Run(tmp_path / "a", "grpo.max_num_steps=500", "checkpointing.save_period=1000")
+    run = Background(tmp_path / "a", *QUIET, "grpo.max_num_steps=500", "checkpointing.save_period=1000")
     run.wait_steps(2)
     os.killpg(run.proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
     rc = run.finish(timeout=120)
@@ -123,8 +72,9 @@ def test_ctrl_c_saves_a_checkpoint_then_stops_and_a_second_stops_at_once(tmp_pat
     assert (run.run_dir / "checkpoints" / f"step_{k}" / "manifest.json").is_file()
     assert "+resume=latest" in "".join(run.err)
     no_ray_left(run.job())
+    assert left_in_tmp(run.job()) == []  # and its Ray temp dir is gone
 
-    run2 = Run(tmp_path / "b", "grpo.max_num_steps=500")
+    run2 = Background(tmp_path / "b", *QUIET, "grpo.max_num_steps=500")
     run2.wait_for(r"Ray head up")
     os.killpg(run2.proc.pid, signal.SIGINT)
     time.sleep(0.5)
@@ -133,17 +83,7 @@ def test_ctrl_c_saves_a_checkpoint_then_stops_and_a_second_stops_at_once(tmp_pat
     assert rc == 130
     assert "stopped at once" in "".join(run2.err)
     no_ray_left(run2.job())
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A finished 2-step run with checkpoints step_1 and step_2."""
-    root = tmp_path_factory.mktemp("trained")
-    p = subprocess.run([PY, "-m", "launcher", f"run.root={root}", *QUIET, "grpo.max_num_steps=2",
-                        "checkpointing.save_period=1", "checkpointing.keep_top_k=null"],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return root
+    assert left_in_tmp(run2.job()) == []
 
 
 def resume_error(root: Path, *overrides: str) -> tuple[int, str, dict]:
@@ -156,13 +96,13 @@ def resume_error(root: Path, *overrides: str) -> tuple[int, str, dict]:
     return p.returncode, p.stderr, before
 
 
-def copy_of(trained: Path, dest: Path) -> Path:
-    shutil.copytree(trained, dest, symlinks=True)
-    return dest / "local-tiny_llama" / "checkpoints" / "step_2"
+def copy_of(trained_run, dest: Path) -> Path:
+    """The session's trained run as it was after step 2 (checkpoints step_1, step_2), in dest: its step_2."""
+    return trained_run.copy(dest, until_step=2) / "checkpoints" / "step_2"
 
 
-def test_truncated_tensor_file_is_one_clear_error(trained, tmp_path):
-    ckpt = copy_of(trained, tmp_path / "r")
+def test_truncated_tensor_file_is_one_clear_error(trained_run, tmp_path):
+    ckpt = copy_of(trained_run, tmp_path / "r")
     victim = max((ckpt / "trainer").glob("*.distcp"), key=lambda p: p.stat().st_size)
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
@@ -172,8 +112,8 @@ def test_truncated_tensor_file_is_one_clear_error(trained, tmp_path):
     assert "complete checkpoints in" in err
 
 
-def test_garbage_metadata_is_refused_before_it_is_unpickled(trained, tmp_path):
-    ckpt = copy_of(trained, tmp_path / "r")
+def test_garbage_metadata_is_refused_before_it_is_unpickled(trained_run, tmp_path):
+    ckpt = copy_of(trained_run, tmp_path / "r")
     meta = ckpt / "trainer" / ".metadata"
     size = meta.stat().st_size
     meta.write_bytes(b"cos\nsystem\n(S'touch /tmp/pwned'\ntR." .ljust(size, b"."))  # same size, a malicious pickle
@@ -183,14 +123,14 @@ def test_garbage_metadata_is_refused_before_it_is_unpickled(trained, tmp_path):
                    f"; complete checkpoints in {ckpt.parent}: step_1\n")
 
 
-def test_resume_from_another_models_checkpoint_or_a_model_dir(trained, tmp_path):
-    ckpt = trained / "local-tiny_llama" / "checkpoints" / "step_2"
-    copy_of(trained, tmp_path / "r")
+def test_resume_from_another_models_checkpoint_or_a_model_dir(trained_run, tmp_path):
+    ckpt = trained_run.checkpoint(2)
+    copy_of(trained_run, tmp_path / "r")
     rc, err, _ = resume_error(tmp_path / "r", "model=tiny_qwen2", "run.name=local-tiny_llama", f"+resume={ckpt}")
     assert rc == 2
     assert err == (f"error: resume: {ckpt} was written for model.family=llama (tiny_llama), this run has qwen2 "
                    f"(tiny_qwen2): not resumable\n")
-    model_dir = trained / "models" / "tiny_llama"
+    model_dir = trained_run.root / "models" / "tiny_llama"
     rc, err, _ = resume_error(tmp_path / "r", f"+resume={model_dir}")
     assert rc == 2
     assert err.startswith(f"error: resume: {model_dir}: incomplete checkpoint (no manifest.json); complete "

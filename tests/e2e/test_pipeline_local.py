@@ -14,15 +14,14 @@ import statistics
 
 import pytest
 
-from tests.e2e.test_faults_local import Run
-from tests.e2e.test_grpo_local import deterministic, launch, rows, trainer_tensors
+from tests.helpers.runs import Background, deterministic, launch, left_in_tmp, rows, trainer_tensors
 from tests.helpers.held_reward import HELD
 from tests.helpers.held_step import HELD_REWARD, release, wait_until
 
 pytestmark = pytest.mark.e2e
 STEPS = 30
 PIPELINED = ["grpo.pipeline.enabled=true", f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=1000",
-             "checkpointing.keep_top_k=null"]
+             "checkpointing.keep_top_k=null", "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,7 @@ def test_a_pipelined_run_learns_on_its_schedule(straight):
 def test_ctrl_c_while_a_rollout_is_in_flight_then_resume_equals_the_uninterrupted_run(straight, tmp_path,
                                                                                       no_ray_left):
     run_a, _ = straight
-    run = Run(tmp_path, *PIPELINED, *HELD_REWARD)
+    run = Background(tmp_path, *PIPELINED, *HELD_REWARD)
     # the rewards of a rollout generated ahead are held (the first scored after step 2 was logged)
     wait_until("a rollout's rewards to be held", (run.run_dir / HELD).exists, run.ended, timeout=600)
     os.killpg(run.proc.pid, signal.SIGINT)  # Ctrl-C: finish the step, checkpoint, stop
@@ -68,6 +67,7 @@ def test_ctrl_c_while_a_rollout_is_in_flight_then_resume_equals_the_uninterrupte
     info = json.loads((run.run_dir / "checkpoints" / f"step_{k}" / "training_info.json").read_text())
     assert info["pipeline"] == {"max_lag": 1, "ahead": [k + 1]}  # the rollout in flight was kept
     no_ray_left(run.job())
+    assert left_in_tmp(run.job()) == []
     p = launch(tmp_path, *PIPELINED, *HELD_REWARD, "+resume=latest")
     assert f"the rollouts of step(s) {k + 1} come from the checkpoint" in p.stdout
     run_b = run.run_dir

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_grpo_local import deterministic, rows, trainer_tensors
+from tests.helpers.runs import deterministic, rows, trainer_tensors
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable

@@ -9,9 +9,10 @@ one-GPU bundles, TP of them; the actor itself needs no GPU), the worker ranking 
 `get_bundles_for_indices` with the engine's VLLM_RAY_BUNDLE_INDICES (rank r in bundle r), and one
 worker per bundle (num_gpus=1, that bundle). The engines start before the trainers (the real run
 starts both at once); the trainers (one GPU each) must still find theirs. Ray runs in a subprocess
-of its own (`ray.init(address="local", num_gpus=...)`: GPUs declared, none needed). The pinning of
-bundles to the planned nodes is checked on the multi-node Slurm cluster
-(tests/slurm/test_ultra_placement.py)."""
+of its own (`ray.init(address="local", num_gpus=...)`: GPUs declared, none needed), one for all the
+cases: each case's actors and placement groups are removed, and all 8 GPUs free again, before the
+next starts. The pinning of bundles to the planned nodes is checked on the multi-node Slurm
+cluster (tests/slurm/test_ultra_placement.py)."""
 
 from __future__ import annotations
 
@@ -26,21 +27,29 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
-import json, sys
+import json, shutil, sys, tempfile, time
 import ray
 from launcher import plan as P
 from launcher.config.schema import GENERATION_SLOT, TRAIN_SLOT, GenerationRole, Topology, TrainRole
 
-gen = json.loads(sys.argv[1])
-t = Topology(name="t", executor="slurm", device="cuda", nodes=2, gpus_per_node=4, colocate_roles=False,
-             train=TrainRole(nodes=1, ranks_per_node=4, tensor_parallel=2), generation=GenerationRole(nodes=1, **gen))
-assert not P.check(t), P.check(t)
-plan = P.build(t)
-gen_node = plan.nodes[1]
+def plan_of(gen):
+    t = Topology(name="t", executor="slurm", device="cuda", nodes=2, gpus_per_node=4, colocate_roles=False,
+                 train=TrainRole(nodes=1, ranks_per_node=4, tensor_parallel=2),
+                 generation=GenerationRole(nodes=1, **gen))
+    assert not P.check(t), P.check(t)
+    return P.build(t)
+
+plans = [plan_of(gen) for gen in json.loads(sys.argv[1])]
 # one Ray node standing for the generation node (its GPUs, its role slots) plus the train node's
-# resources: the GPUs are one pool here (which node a bundle is pinned to is not told apart)
+# resources, as many as the largest case needs: the GPUs are one pool here (which node a bundle is
+# pinned to is not told apart)
+resources = {}
+for plan in plans:
+    for key, n in {**plan.nodes[0].ray_resources(), **plan.nodes[1].ray_resources()}.items():
+        resources[key] = max(resources.get(key, 0), n)
+temp = tempfile.mkdtemp(prefix="ray-placement-")
 ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False,
-         resources={**plan.nodes[0].ray_resources(), **gen_node.ray_resources()})
+         resources=resources, _temp_dir=temp)
 
 @ray.remote
 class Holder:
@@ -82,36 +91,56 @@ class Engine:
 
 from workers.generator.actor import GeneratorConfig
 from workers.generator.placement import in_placement_group
-opts = [P.generator_options(plan, e) for e in range(plan.engines)]
-bundles = [P.engine_bundles(plan, e) for e in range(plan.engines)]
-env = GeneratorConfig(model="m", device="cuda", tensor_parallel=plan.generation_tp).engine_env()
-engines = []
-for o, b in zip(opts, bundles):
-    if b:
-        o = {**o, **in_placement_group(b)[1]}
-    engines.append(Engine.options(**o).remote(plan.generation_tp, env))
-trainers = [Holder.options(**P.trainer_options(plan, r)).remote() for r in range(plan.train_world)]
-out = [ray.get(e.vllm_executor_placement.remote(), timeout=90) for e in engines]
-trainer_gpus = ray.get([a.ok.remote() for a in trainers], timeout=60)
-out = {"options": opts, "bundles": bundles, "engines": out, "trainer_gpus": sorted(g for t in trainer_gpus for g in t)}
-print("RESULT " + json.dumps(out))
+
+def case(plan):
+    opts = [P.generator_options(plan, e) for e in range(plan.engines)]
+    bundles = [P.engine_bundles(plan, e) for e in range(plan.engines)]
+    env = GeneratorConfig(model="m", device="cuda", tensor_parallel=plan.generation_tp).engine_env()
+    engines, groups = [], []
+    for o, b in zip(opts, bundles):
+        if b:
+            pg, placed = in_placement_group(b)
+            groups.append(pg)
+            o = {**o, **placed}
+        engines.append(Engine.options(**o).remote(plan.generation_tp, env))
+    trainers = [Holder.options(**P.trainer_options(plan, r)).remote() for r in range(plan.train_world)]
+    out = [ray.get(e.vllm_executor_placement.remote(), timeout=90) for e in engines]
+    trainer_gpus = ray.get([a.ok.remote() for a in trainers], timeout=60)
+    for a in engines + trainers:  # the next case starts on an empty cluster
+        ray.kill(a)
+    for pg in groups:
+        ray.util.remove_placement_group(pg)
+    deadline = time.time() + 60
+    while ray.available_resources().get("GPU", 0) < 8:
+        assert time.time() < deadline, ray.available_resources()
+        time.sleep(0.2)
+    return {"options": opts, "bundles": bundles, "engines": out,
+            "trainer_gpus": sorted(g for t in trainer_gpus for g in t)}
+
+print("RESULT " + json.dumps([case(plan) for plan in plans]))
 ray.shutdown()
+shutil.rmtree(temp, ignore_errors=True)
 """
 
 
-def run_case(gen: dict) -> dict:
-    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(gen)], cwd=REPO, capture_output=True, text=True,
-                       timeout=240)
+CASES = {"1xTP4": dict(ranks_per_node=4, engines=1, tensor_parallel=4),
+         "2xTP2": dict(ranks_per_node=4, engines=2, tensor_parallel=2),
+         "4xTP1": dict(ranks_per_node=4, engines=4, tensor_parallel=1)}
+
+
+@pytest.fixture(scope="module")
+def placed() -> dict:
+    """Every case of CASES, in one Ray cluster (one subprocess): case name -> what it placed."""
+    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(list(CASES.values()))], cwd=REPO,
+                       capture_output=True, text=True, timeout=400)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+    return dict(zip(CASES, json.loads(line[len("RESULT "):])))
 
 
-@pytest.mark.parametrize("gen", [dict(ranks_per_node=4, engines=1, tensor_parallel=4),
-                                 dict(ranks_per_node=4, engines=2, tensor_parallel=2)],
-                         ids=["1xTP4", "2xTP2"])
-def test_tp_engine_starts_in_the_placement_group_its_vllm_workers_take(gen):
-    r = run_case(gen)
+@pytest.mark.parametrize("name", ["1xTP4", "2xTP2"])
+def test_tp_engine_starts_in_the_placement_group_its_vllm_workers_take(placed, name):
+    r, gen = placed[name], CASES[name]
     assert all("num_gpus" not in o for o in r["options"]), r["options"]
     assert [len(b) for b in r["bundles"]] == [gen["tensor_parallel"]] * gen["engines"]
     assert all(set(b) == {"GPU", "node_1"} | ({"generation_slot"} if i == 0 else set())
@@ -124,6 +153,6 @@ def test_tp_engine_starts_in_the_placement_group_its_vllm_workers_take(gen):
     assert sorted(map(int, workers + r["trainer_gpus"])) == list(range(8))
 
 
-def test_tp1_engine_takes_its_one_gpu():
-    r = run_case(dict(ranks_per_node=4, engines=4, tensor_parallel=1))
+def test_tp1_engine_takes_its_one_gpu(placed):
+    r = placed["4xTP1"]
     assert [o.get("num_gpus") for o in r["options"]] == [1, 1, 1, 1]

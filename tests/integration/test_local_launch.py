@@ -1,4 +1,9 @@
-"""The launcher's local executor end to end: a real Ray head with token auth, placement, cleanup."""
+"""The launcher's local executor end to end: a real Ray head with token auth, placement, cleanup.
+
+One run (`run.job=hold`: the placement smoke, then the cluster held until `touch RUN/release`)
+for all of it: the actors on their planned nodes, a client with no token or a wrong one refused
+and the job's token let in, a second launch on the running run's directory refused, and once
+released: the job's `done` record, no Ray process of the job left, its Ray temp dir gone."""
 
 from __future__ import annotations
 
@@ -10,27 +15,13 @@ import time
 
 import pytest
 
+from tests.helpers.runs import left_in_tmp
+
 pytestmark = pytest.mark.integration
 PY = sys.executable
 
 
-def test_local_placement_smoke_and_cleanup(tmp_path, no_ray_left):
-    p = subprocess.run([PY, "-m", "launcher", "run.job=placement_smoke", f"run.root={tmp_path}"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    run = tmp_path / "local-tiny_llama"
-    report = json.loads((run / "placement.json").read_text())
-    assert [(a["role"], a["index"]) for a in report["actors"]] == [("train", 0), ("train", 1), ("generation", 0)]
-    assert (run / "config.yaml").is_file() and (run / "plan.txt").read_text().startswith("training: 2 ranks")
-    assert "placement smoke: 3 actors on their planned nodes" in p.stdout
-    rendezvous = next((run / "ray").iterdir())
-    assert oct((rendezvous / "token").stat().st_mode & 0o777) == "0o600"
-    assert json.loads((rendezvous / "done").read_text()) == {"ok": True, "error": None}
-    job = rendezvous.name.split(".")[0]
-    no_ray_left(job, wait_s=0)  # every Ray process of the job was stopped
-
-
-def test_token_is_required_to_attach(tmp_path):
+def test_local_placement_token_auth_and_cleanup(tmp_path, no_ray_left):
     proc = subprocess.Popen([PY, "-m", "launcher", "run.job=hold", f"run.root={tmp_path}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = tmp_path / "local-tiny_llama"
@@ -40,7 +31,11 @@ def test_token_is_required_to_attach(tmp_path):
             assert proc.poll() is None, proc.stdout.read()
             assert time.time() < deadline
             time.sleep(0.5)
+        report = json.loads((run / "placement.json").read_text())
+        assert [(a["role"], a["index"]) for a in report["actors"]] == [("train", 0), ("train", 1), ("generation", 0)]
+        assert (run / "config.yaml").is_file() and (run / "plan.txt").read_text().startswith("training: 2 ranks")
         rendezvous = next((run / "ray").iterdir())
+        assert oct((rendezvous / "token").stat().st_mode & 0o777) == "0o600"
         head = json.loads((rendezvous / "head.json").read_text())
         attach = ("import ray, sys\n"
                   f"ray.init(address='{head['ip']}:{head['port']}', logging_level='ERROR')\n"
@@ -70,3 +65,8 @@ def test_token_is_required_to_attach(tmp_path):
         (run / "release").touch()
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
+    assert "placement smoke: 3 actors on their planned nodes" in out
+    assert json.loads((rendezvous / "done").read_text()) == {"ok": True, "error": None}
+    job = rendezvous.name.split(".")[0]
+    no_ray_left(job, wait_s=0)  # every Ray process of the job was stopped ...
+    assert left_in_tmp(job) == []  # ... and its Ray temp dir removed

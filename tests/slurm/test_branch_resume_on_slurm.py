@@ -1,7 +1,12 @@
 """Branch-safe resume on the local Slurm cluster (docs/security.md): +resume=step_2 on a run that
 has step_4 starts a branch (step_4 and its metrics rows moved aside, never deleted); the branch's
 job is preempted, requeues itself and resumes from the branch's own newest checkpoint, not from
-the abandoned step_4; metrics.jsonl holds one history."""
+the abandoned step_4; metrics.jsonl holds one history.
+
+This is also the suite's preemption of a GRPO job submitted with submitit (3 nodes: 2 training
+nodes at TP 2, 1 generation node; the plain-sbatch path: test_grpo_on_slurm.py): preempted as
+submitit's Job._interrupt() does it, in step HELD_STEP, it checkpoints, requeues itself and
+finishes with no step lost or repeated, exact refits on every step."""
 
 from __future__ import annotations
 
@@ -54,10 +59,15 @@ def test_branch_resume_then_requeue_continues_the_branch(slurm_cluster, tmp_path
     text = log_of(run, job)
     assert state == "COMPLETED", text[-5000:]
     assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job)
+    assert "stopped at step 3/6" in text and f"resuming from {run}/checkpoints/step_3" in text, text[-5000:]
     resumed = re.findall(r"resumed from (\S+)/step_(\d+) \(", text)   # the submission's, then the requeue's
     assert len(resumed) == 2 and resumed[0] == (f"{run}/checkpoints", "2"), text[-3000:]
     assert resumed[1] == (f"{run}/checkpoints", "3"), resumed  # the branch's step 3, not abandoned/step_4
-    assert steps_logged(run) == [1, 2, 3, 4, 5, 6]                 # one history, the branch's
+    assert steps_logged(run) == [1, 2, 3, 4, 5, 6]                 # one history, the branch's: no step lost or repeated
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train/gen_kl_error"] < 1e-5 for r in rows), rows  # exact refits, before and after the requeue
+    info = json.loads((run / "checkpoints" / "step_6" / "training_info.json").read_text())
+    assert info["consumed_prompts"] == 6 * 8
     moved = (run / "abandoned" / branch.name / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in moved] == [3, 4]        # the old one, kept aside
     assert (branch / "step_4" / "manifest.json").is_file()        # never deleted

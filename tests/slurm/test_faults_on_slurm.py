@@ -1,6 +1,7 @@
 """A Ray node of a 3-node Slurm GRPO job dies (its raylet is killed): the run ends with a message
 naming the node and what the driver was doing, within 60 s; with retry.max_restarts=1 the job
-requeues itself, resumes from the latest checkpoint and finishes with all its steps."""
+requeues itself, resumes from the latest checkpoint and finishes with all its steps (one job for
+both); the head's Ray lost ends the job FAILED, naming the head."""
 
 from __future__ import annotations
 
@@ -36,27 +37,6 @@ def log_of(run: Path, job: str) -> str:
     return (d / f"{job}_0_log.out").read_text() + (d / f"{job}_0_log.err").read_text()
 
 
-def test_lost_node_fails_the_job_fast_with_its_name(slurm_cluster, tmp_path):
-    """The node is lost while the driver thread is inside step 3 (held in its rewards): the main
-    thread's node check ends the run, and the abandoned driver thread, released only once node3's
-    report is out, must not keep the task alive (its next Ray call once started a local Ray
-    instance on node1 that kept the job RUNNING)."""
-    job, run = submit(tmp_path)
-    ended = job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out")
-    wait_held(run, ended, timeout=420)
-    kill_raylet("node3", job)  # in step 3 (held_step.HELD_STEP)
-    wait_until("node3's bootstrap to report its Ray stopped", (run / "ray" / f"{job}.0" / "failed_node2.json").exists,
-               lambda: None, timeout=30)
-    time.sleep(3)  # > the main thread's 2 s node check: the run is ending while the driver thread waits
-    release(run)
-    state = slurm_cluster.wait_job(job, timeout=60)  # the issue's bound: a lost node ends the job within 60 s
-    text = log_of(run, job)
-    assert state == "FAILED", text[-3000:]
-    assert re.search(r"node 2 \(node3, generation\) left the Ray cluster during \w+ at step 3: this node's Ray "
-                     r"stopped", text), text[-3000:]
-    assert "Started a local Ray instance" not in text, text[-3000:]
-
-
 def test_the_heads_ray_lost_fails_the_job_fast_naming_the_head(slurm_cluster, tmp_path):
     """node 0's GCS dies in step 3 (the whole cluster's state: nothing can go on, though the actors'
     direct calls may finish a step or two): node 0's main thread sees its own `ray start` end and
@@ -73,17 +53,31 @@ def test_the_heads_ray_lost_fails_the_job_fast_naming_the_head(slurm_cluster, tm
                      r"stopped: `ray start` exited with code", text), text[-3000:]
 
 
-def test_lost_node_with_a_restart_resumes_and_finishes(slurm_cluster, tmp_path):
+def test_lost_node_ends_the_run_fast_with_its_name_then_the_restart_resumes_and_finishes(slurm_cluster, tmp_path):
+    """node3 is lost while the driver thread is inside step 3 (held in its rewards): the main
+    thread's node check ends the run within 60 s naming the node, and the abandoned driver thread,
+    released only once node3's report is out, must not keep the task alive (its next Ray call once
+    started a local Ray instance on node1 that kept the job RUNNING). With retry.max_restarts=1
+    the job then requeues itself, resumes from the latest checkpoint and finishes every step once.
+    (Without a restart a lost node's job ends FAILED: the head's test below, and the many-node
+    test of test_launcher_on_slurm.py.)"""
     job, run = submit(tmp_path, "retry.max_restarts=1", "checkpointing.keep_top_k=null")
-    wait_held(run, job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out"), timeout=420)
+    ended = job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out")
+    wait_held(run, ended, timeout=420)
     kill_raylet("node3", job)  # in step 3 (held_step.HELD_STEP)
+    wait_until("node3's bootstrap to report its Ray stopped", (run / "ray" / f"{job}.0" / "failed_node2.json").exists,
+               lambda: None, timeout=30)
+    time.sleep(3)  # > the main thread's 2 s node check: the run is ending while the driver thread waits
     release(run)
+    # the issue's bound: a lost node ends the run (here: its first attempt) within 60 s
+    wait_until("the run to end and requeue", lambda: "requeueing job" in log_of(run, job), ended, timeout=60)
     state = slurm_cluster.wait_job(job, timeout=600)
     text = log_of(run, job)
     assert state == "COMPLETED", text[-4000:]
-    # the driver sees either the node go or its vLLM engine die with it first; both name node3
-    assert re.search(r"\[launcher [\d:]+\] error: (vLLM engine 0 on node3 \(pid \d+\) died during \w+ at step \d+: .*; )?"
-                     r"node 2 \(node3, generation\) left the Ray cluster", text), text[-4000:]
+    # the main thread's check, while the driver thread waits in step 3 (not its vLLM engine's death)
+    assert re.search(r"node 2 \(node3, generation\) left the Ray cluster during \w+ at step 3: this node's Ray "
+                     r"stopped", text), text[-4000:]
+    assert "Started a local Ray instance" not in text, text[-3000:]
     assert re.search(r"restart 1/1 \(retry.max_restarts\): requeueing job", text)
     assert re.search(rf"resuming from {run}/checkpoints/step_\d+", text)
     assert steps_logged(run) == list(range(1, STEPS + 1))

@@ -59,17 +59,48 @@ def ray_processes_of(job: str, nodes: list[str]) -> list[str]:
     return [c for c in cmds if "ray" in c and job in c]
 
 
-def test_launcher_job_forms_ray_cluster_with_roles_on_planned_nodes(slurm_cluster, tmp_path):
-    job, run = launch(tmp_path, "run.job=placement_smoke", PIN)
-    state = slurm_cluster.wait_job(job, timeout=240)
-    assert state == "COMPLETED", task_log(run, job)
-    assert placement(run) == EXPECTED
+def test_launcher_job_forms_ray_cluster_with_roles_on_planned_nodes_only_its_token_attaches(slurm_cluster,
+                                                                                           tmp_path):
+    """One job (`run.job=hold`: the placement smoke, then the cluster held until RUN/release): the
+    roles on their planned nodes, a client from node1 without the job's token refused and with it
+    let in; once released the job completes, and no Ray process of it, nor its Ray temp dirs, stay
+    on any node."""
+    job, run = launch(tmp_path, "run.job=hold", PIN)
+    try:
+        deadline = time.time() + 180
+        while not (run / "placement.json").exists():
+            assert slurm_cluster.sacct_state(job) in (None, "PENDING", "RUNNING"), task_log(run, job)
+            assert time.time() < deadline, task_log(run, job)
+            time.sleep(1)
+        assert placement(run) == EXPECTED
+        assert "all 3 node(s) registered" in task_log(run, job)
+        assert (run / "config.yaml").is_file() and (run / "ray_job.sbatch").is_file()
+        assert json.loads((run / "submissions.jsonl").read_text().splitlines()[0])["job_id"] == job
+        rendezvous = next((run / "ray").glob(f"{job}.*"))
+        head = json.loads((rendezvous / "head.json").read_text())
+        attach = (f"import ray; ray.init(address='{head['ip']}:{head['port']}', logging_level='ERROR'); "
+                  "print('NODES', sum(n['Alive'] for n in ray.nodes()))")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        env["RAY_gcs_server_port_wait_time_s"] = "2"
+
+        def attach_from_node1(extra: dict) -> subprocess.CompletedProcess:
+            return subprocess.run(["nsenter", f"--net=/run/netns/{NS}node1", PY, "-c", attach],
+                                  capture_output=True, text=True, timeout=120, env={**env, **extra})
+
+        denied = attach_from_node1({"RAY_AUTH_MODE": "disabled"})
+        assert denied.returncode != 0 and ("Authentication" in denied.stderr or "InvalidAuthToken" in denied.stderr), \
+            denied.stderr[-2000:]
+        allowed = attach_from_node1({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(rendezvous / "token")})
+        assert "NODES 3" in allowed.stdout, allowed.stderr[-2000:]
+    finally:
+        (run / "release").touch()
+    assert slurm_cluster.wait_job(job, timeout=120) == "COMPLETED", task_log(run, job)
+    assert "placement smoke: 3 actors on their planned nodes" in task_log(run, job)
     assert sorted(p.name for p in (run / "logs").glob("ray-*.log")) == ["ray-node1.log", "ray-node2.log",
                                                                         "ray-node3.log"]
-    assert "all 3 node(s) registered" in task_log(run, job)
-    assert (run / "config.yaml").is_file() and (run / "ray_job.sbatch").is_file()
-    assert json.loads((run / "submissions.jsonl").read_text().splitlines()[0])["job_id"] == job
-    assert not ray_processes_of(job, ["node1", "node2", "node3"])  # every Ray process of the job is gone
+    assert not ray_processes_of(job, ["node1", "node2", "node3"])  # every Ray process of the job is gone ...
+    assert sorted(Path("/tmp").glob(f"ray_{job}_*")) == []         # ... and its nodes' Ray temp dirs (/tmp: shared)
+    assert sorted(p.name for p in (run / "logs" / "ray").iterdir()) == ["node1", "node2", "node3"]  # logs kept
 
 
 def test_rendered_sbatch_script_runs_the_same_job(slurm_cluster, tmp_path):
@@ -111,35 +142,6 @@ def test_node_whose_ray_worker_cannot_start_fails_fast_with_its_name(slurm_clust
     assert "node 2 (node3, generation) could not join the Ray cluster" in log
     # the reason comes from the raylet's own log, not from waiting out the registration timeout
     assert "did not register with the Ray head within" not in done["error"]
-
-
-def test_client_without_the_job_token_cannot_attach(slurm_cluster, tmp_path):
-    job, run = launch(tmp_path, "run.job=hold", PIN)
-    try:
-        deadline = time.time() + 180
-        while not (run / "placement.json").exists():
-            assert slurm_cluster.sacct_state(job) in (None, "PENDING", "RUNNING"), task_log(run, job)
-            assert time.time() < deadline, task_log(run, job)
-            time.sleep(1)
-        rendezvous = next((run / "ray").glob(f"{job}.*"))
-        head = json.loads((rendezvous / "head.json").read_text())
-        attach = (f"import ray; ray.init(address='{head['ip']}:{head['port']}', logging_level='ERROR'); "
-                  "print('NODES', sum(n['Alive'] for n in ray.nodes()))")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-        env["RAY_gcs_server_port_wait_time_s"] = "2"
-
-        def attach_from_node1(extra: dict) -> subprocess.CompletedProcess:
-            return subprocess.run(["nsenter", f"--net=/run/netns/{NS}node1", PY, "-c", attach],
-                                  capture_output=True, text=True, timeout=120, env={**env, **extra})
-
-        denied = attach_from_node1({"RAY_AUTH_MODE": "disabled"})
-        assert denied.returncode != 0 and ("Authentication" in denied.stderr or "InvalidAuthToken" in denied.stderr), \
-            denied.stderr[-2000:]
-        allowed = attach_from_node1({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(rendezvous / "token")})
-        assert "NODES 3" in allowed.stdout, allowed.stderr[-2000:]
-    finally:
-        (run / "release").touch()
-    assert slurm_cluster.wait_job(job, timeout=120) == "COMPLETED", task_log(run, job)
 
 
 # The join at scale on this machine: 8 nodes form their cluster at the first attempt even with the

@@ -70,3 +70,48 @@ def test_descendants_of_a_gone_pid_is_itself():
     p = subprocess.Popen(["true"])
     p.wait()
     assert reaper.descendants(p.pid) == [p.pid]
+
+
+def _ray_temp_dir(root) -> tuple:
+    """A node's Ray temp dir as `ray start --temp-dir` and its workers leave it: a session with its
+    daemons' logs (session_latest a symlink to it), a socket folder, and the workers' TMPDIR with
+    vLLM's rendezvous file."""
+    temp = root / "ray_local-1_0_0"
+    session = temp / "session_2026-01-01_00-00-00_000000_1"
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "raylet.out").write_text("raylet log\n")
+    (session / "logs" / "gcs_server.err").write_text("")            # empty: not kept
+    (session / "sockets").mkdir()
+    (temp / "session_latest").symlink_to(session)
+    (temp / "tmp").mkdir()
+    (temp / "tmp" / "vllm_dist_0123abcd").write_text("rendezvous")
+    run = root / "run"
+    run.mkdir(mode=0o700)
+    return temp, session.name, run / "logs" / "ray" / "vm"
+
+
+def test_a_killed_bootstraps_reaper_removes_the_ray_temp_dir_and_keeps_the_daemons_logs(tmp_path):
+    temp, session, kept = _ray_temp_dir(tmp_path)
+    marker = _marker()
+    cmd = _reaper_cmd(0, marker, "sleep 300")
+    cmd[3:3] = [f"--temp-dir={temp}", f"--keep-logs={kept}"]
+    start = f"import os, subprocess, time; c = {cmd!r}; c[5] = str(os.getpid()); subprocess.Popen(c); time.sleep(300)"
+    bootstrap = subprocess.Popen([sys.executable, "-c", start])
+    assert _wait(lambda: _marked(marker))
+    bootstrap.kill()
+    bootstrap.wait()
+    assert _wait(lambda: not temp.exists()), sorted(temp.rglob("*"))
+    assert [p.relative_to(kept).as_posix() for p in sorted(kept.rglob("*"))] == [session, f"{session}/raylet.out"]
+    assert (kept / session / "raylet.out").read_text() == "raylet log\n"
+    assert oct((kept / session / "raylet.out").stat().st_mode & 0o777) == "0o600"  # the run directory's policy
+
+
+def test_when_cmd_ends_by_itself_the_temp_dir_is_left_to_the_bootstrap(tmp_path):
+    """The bootstrap still reads the daemons' logs for its message, then cleans up (ray_node.stop_node)."""
+    temp, _, kept = _ray_temp_dir(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cluster.reaper", f"--temp-dir={temp}",
+                             f"--keep-logs={kept}", str(psutil.Process().pid), "true"])
+    assert proc.wait(timeout=30) == 0
+    assert (temp / "tmp" / "vllm_dist_0123abcd").exists() and not kept.exists()
+    reaper.clean_up(temp, kept)
+    assert not temp.exists() and (kept / next(kept.iterdir()).name / "raylet.out").is_file()

@@ -1,0 +1,117 @@
+"""The suite's tiers, the order they run in, and how `pytest tests` spreads them over the cores.
+
+Tiers run quickest first, so a broken build fails in minutes: unit, integration, e2e, slurm, gpu
+(`order`). The unit tests are independent of each other and run on one worker per core
+(pytest-xdist), one test module at a time (its module fixtures are built once); every other tier
+starts Ray, vLLM, Megatron or the one Slurm test cluster of the machine, so all of their tests run
+in order on one more worker of their own, once no unit module is left to hand out
+(`TierScheduling`). `pytest tests` and `pytest tests/unit` start the workers by themselves
+(`workers`); `-n 0` runs everything in this process, `-n N` sets the number. What each tier
+proves and its time budget: docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+TIERS = ("unit", "integration", "e2e", "slurm", "gpu")
+PARALLEL = ("unit",)            # tiers whose tests may run on any worker, next to each other
+SERIAL = "serial-tiers"         # the one work unit that holds every test of the other tiers
+MAX_WORKERS = 4                 # for the unit tier, one per core (CI: 2); more only adds memory
+
+
+def tier_of(nodeid: str) -> str:
+    """The tier of a test id, 'tests/<tier>/...' ('other' outside them)."""
+    parts = nodeid.split("::", 1)[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else "other"
+
+
+def order(items: list) -> None:
+    """Sort the collected tests by tier (stable: within a tier, the collection's order)."""
+    rank = {t: i for i, t in enumerate(TIERS)}
+    items.sort(key=lambda item: rank.get(tier_of(item.nodeid), len(TIERS)))
+
+
+def workers(args: list[str], rootdir: str) -> int:
+    """How many workers `pytest ARGS` gets when it names none (0: this process). One per core (at
+    most MAX_WORKERS) when the arguments hold the whole unit tier (`tests` or `tests/unit`, nothing
+    narrower: a single file or test starts no workers), and with `tests` one more, kept for the
+    other tiers (TierScheduling): they run in a process no unit test ran in, as they always have."""
+    tests, unit = os.path.join(rootdir, "tests"), os.path.join(rootdir, "tests", "unit")
+    paths = [os.path.abspath(a.rstrip("/")) for a in args if not a.startswith("-")] or [os.getcwd()]
+    if not any(p in (tests, unit, rootdir) for p in paths):
+        return 0
+    cores = max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    return cores + 1 if any(p in (tests, rootdir) for p in paths) and cores > 1 else cores
+
+
+def scheduler(config, log):
+    """The xdist scheduler of the tiers (imported only when xdist runs)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        """A unit test module is a work unit, handed to the workers as they ask; all other tests are
+        one work unit, SERIAL, for one worker of its own (the last one), which gets it once the last
+        unit module has been handed out and runs it in collection order (by tier: `order`) while
+        the others finish their modules and stop. With a single worker: the unit modules first."""
+
+        _serial_node = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.split("::", 1)[0] if tier_of(nodeid) in PARALLEL else SERIAL
+
+        def _give(self, node, scope: str) -> None:
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+        def _assign_work_unit(self, node) -> None:
+            units = [s for s in self.workqueue if s != SERIAL]
+            if SERIAL not in self.workqueue:
+                if units:
+                    self._give(node, units[0])
+                return
+            if len(self.nodes) == 1:
+                self._give(node, units[0] if units else SERIAL)
+                return
+            if self._serial_node not in self.nodes:
+                self._serial_node = self.nodes[-1]
+            if node is not self._serial_node:
+                if units:
+                    self._give(node, units[0])
+                    if len(units) == 1:  # the last unit module is out: the serial tiers start now
+                        self._reschedule(self._serial_node)
+                return
+            if not units:
+                self._give(node, SERIAL)
+                for other in self.nodes:  # nothing is left for them: they stop after their last test
+                    if other is not node and not other.shutting_down:
+                        other.shutdown()
+
+    return TierScheduling(config, log)
+
+
+def summary(reports: list) -> list[str]:
+    """One line per tier: tests, the time its tests took (setup + call + teardown) and the wall
+    clock from its first test's start to its last test's end."""
+    per = defaultdict(lambda: {"tests": set(), "seconds": 0.0, "start": None, "stop": None})
+    for r in reports:
+        t = per[tier_of(r.nodeid)]
+        t["tests"].add(r.nodeid)
+        t["seconds"] += getattr(r, "duration", 0.0) or 0.0
+        start, stop = getattr(r, "start", None), getattr(r, "stop", None)
+        if start and stop:
+            t["start"] = start if t["start"] is None else min(t["start"], start)
+            t["stop"] = stop if t["stop"] is None else max(t["stop"], stop)
+    lines = []
+    for tier in sorted(per, key=lambda k: TIERS.index(k) if k in TIERS else len(TIERS)):
+        t = per[tier]
+        wall = (f", {t['stop'] - t['start']:.0f} s wall ({_clock(t['start'])}-{_clock(t['stop'])})"
+                if t["start"] else "")
+        lines.append(f"{tier}: {len(t['tests'])} tests, {t['seconds']:.0f} s in tests{wall}")
+    return lines
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))

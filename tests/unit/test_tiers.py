@@ -1,0 +1,128 @@
+"""tests/helpers/tiers.py through real pytest runs (with pytest-xdist) of a small tree shaped like
+this suite's: tests/unit (three modules), tests/integration, tests/e2e and tests/slurm, wired
+with tests/conftest.py's own hooks. Each test appends (worker, test id, start, end) to a log.
+
+- `pytest tests` starts one worker per core and one more: the unit modules are spread over the
+  workers, a module whole on one worker; every other test runs on that one more worker, which ran
+  no unit test, in tier order (integration, e2e, slurm), starting only once every unit module had
+  been handed out; the terminal ends with the time per tier;
+- `-n 0` runs everything in this process in tier order; which arguments start workers (a single
+  file starts none): `workers`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiers
+
+REPO = Path(__file__).resolve().parents[2]
+PER_MODULE = 6  # tests per unit module; xdist hands a worker its next module when 2 of its tests are left
+
+CONFTEST = """
+from tests.conftest import (pytest_cmdline_main, pytest_collection_modifyitems, pytest_terminal_summary,
+                            pytest_xdist_make_scheduler)
+"""
+
+TEST = """
+import json, os, time
+
+def _log(name, t0):
+    with open({log!r}, "a") as f:
+        f.write(json.dumps([os.environ.get("PYTEST_XDIST_WORKER", "main"), name, t0, time.time()]) + "\\n")
+
+{tests}
+"""
+
+
+def _tree(root: Path) -> Path:
+    log = root / "log.jsonl"
+    files = {"unit/test_u1.py": PER_MODULE, "unit/test_u2.py": PER_MODULE, "unit/test_u3.py": PER_MODULE,
+             "slurm/test_s.py": 1, "e2e/test_e.py": 2, "integration/test_i.py": 2}  # not in tier order
+    (root / "pytest.ini").write_text("[pytest]\n")
+    (root / "tests").mkdir()
+    (root / "tests" / "conftest.py").write_text(CONFTEST)
+    for rel, n in files.items():
+        path = root / "tests" / rel
+        path.parent.mkdir(exist_ok=True)
+        body = "\n".join(f"def test_{k}():\n    t0 = time.time()\n    time.sleep(0.3)\n    _log('{rel}::{k}', t0)\n"
+                         for k in range(n))
+        path.write_text(TEST.format(log=str(log), tests=body))
+    return log
+
+
+def _pytest(root: Path, *args: str) -> tuple[subprocess.CompletedProcess, list]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    log = root / "log.jsonl"
+    return p, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_the_whole_tree_spreads_the_unit_modules_and_runs_the_other_tiers_after_them_in_order(tmp_path):
+    pytest.importorskip("xdist")
+    _tree(tmp_path)
+    p, log = _pytest(tmp_path, str(tmp_path / "tests"), "--rootdir", str(tmp_path))
+    cores = max(1, min(len(os.sched_getaffinity(0)), tiers.MAX_WORKERS))
+    expected_workers = cores + 1 if cores > 1 else cores
+    unit = [x for x in log if x[1].startswith("unit/")]
+    serial = [x for x in log if not x[1].startswith("unit/")]
+    assert len(unit) == 3 * PER_MODULE and len(serial) == 5
+    # a unit module runs whole on one worker
+    for module in ("unit/test_u1.py", "unit/test_u2.py", "unit/test_u3.py"):
+        assert len({w for w, name, *_ in unit if name.startswith(module)}) == 1, unit
+    # the other tiers: one worker, in tier order, none of its tests a unit test
+    assert [name for _, name, *_ in serial] == ["integration/test_i.py::0", "integration/test_i.py::1",
+                                               "e2e/test_e.py::0", "e2e/test_e.py::1", "slurm/test_s.py::0"]
+    (worker,) = {w for w, *_ in serial}
+    if expected_workers > 1:
+        assert worker not in {w for w, *_ in unit} and len({w for w, *_ in unit}) == expected_workers - 1
+        # started only once the last unit module was handed out: not before a unit worker was through
+        # all but 2 tests of its first module (plain xdist would start them at once, on that worker)
+        ends = {w: sorted(end for w2, _, _, end in unit if w2 == w) for w in {w for w, *_ in unit}}
+        assert min(t0 for _, _, t0, _ in serial) >= min(e[PER_MODULE - 3] for e in ends.values()), log
+    summary = p.stdout.split("time per tier", 1)[1].splitlines()
+    assert [line.split(":")[0] for line in summary[1:5]] == ["unit", "integration", "e2e", "slurm"], p.stdout
+    assert summary[1].startswith(f"unit: {3 * PER_MODULE} tests, ") and " s wall (" in summary[1]
+
+
+def test_n0_runs_every_tier_in_order_in_this_process(tmp_path):
+    _tree(tmp_path)
+    p, log = _pytest(tmp_path, str(tmp_path / "tests"), "--rootdir", str(tmp_path), "-n", "0")
+    assert {w for w, *_ in log} == {"main"} and "bringing up nodes" not in p.stdout
+    tiers_in_order = [name.split("/")[0] for _, name, *_ in log]
+    assert tiers_in_order == ["unit"] * 3 * PER_MODULE + ["integration"] * 2 + ["e2e"] * 2 + ["slurm"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["tests"], "all"), (["tests/"], "all"), ([], "all"), (["tests/unit"], "unit"),
+    (["tests/unit/test_tiers.py"], 0), (["tests/e2e"], 0), (["tests/unit", "-k", "x"], "unit"),
+])
+def test_workers_for_the_arguments(args, expected, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cores = max(1, min(len(os.sched_getaffinity(0)), tiers.MAX_WORKERS))
+    want = {"all": cores + 1 if cores > 1 else cores, "unit": cores, 0: 0}[expected]
+    assert tiers.workers(args, str(REPO)) == want
+
+
+def test_tier_of_and_order():
+    assert tiers.tier_of("tests/e2e/test_x.py::test_y[a/b]") == "e2e"
+    assert tiers.tier_of("tests/helpers/test_x.py::t") == "other" and tiers.tier_of("test_x.py::t") == "other"
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    items = [Item(n) for n in ("tests/slurm/a.py::t", "tests/unit/b.py::t", "tests/gpu/c.py::t", "tests/e2e/d.py::t",
+                               "tests/unit/a.py::t", "tests/integration/e.py::t", "x.py::t")]
+    tiers.order(items)
+    assert [i.nodeid for i in items] == ["tests/unit/b.py::t", "tests/unit/a.py::t", "tests/integration/e.py::t",
+                                         "tests/e2e/d.py::t", "tests/slurm/a.py::t", "tests/gpu/c.py::t", "x.py::t"]
