@@ -35,7 +35,8 @@ from launcher.config.schema import BUILTIN_MODELS, Config, ConfigError
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TRAINER_RESERVE_GIB = 3.0       # CUDA context + megatron's NCCL communicators (TP, DP, EP, PP, refit)
-ENGINE_ACTIVATIONS_GIB = 4.0    # vLLM's profiled forward (inside its budget; enforce_eager: no CUDA graphs)
+ENGINE_ACTIVATIONS_GIB = 4.0    # vLLM's profiled forward (inside its budget; CUDA graphs too: vLLM 0.32 profiles them
+                                # and takes them out of the KV cache)
 REFIT_GROUP_GIB = 0.5           # the refit group's NCCL communicator on a vLLM worker (outside vLLM's budget)
 _EXPERT = re.compile(r"\.experts\.")          # routed experts (shared_experts are dense)
 _LAYER_MODULE = re.compile(r"^(.*?layers\.\d+\.(?:mixer|mlp)\.experts)\.")  # one MoE layer's experts: one vLLM module

@@ -459,7 +459,10 @@ class Vllm:
 
     dtype: str = knob("float32", OneOf(DTYPES), "vLLM's dtype")
     max_model_len: int = knob(512, Range(1, None), "vLLM's context length (at least grpo.max_total_sequence_length)")
-    enforce_eager: bool = knob(True, None, "no CUDA graphs")
+    enforce_eager: Any = knob("auto", OneOf(("auto", True, False)),
+                              "true: no CUDA graphs; auto: false on cuda (vLLM replays its decode steps as CUDA "
+                              "graphs; every refit writes the weights in place, tests/integration/test_generator.py), "
+                              "true on cpu (no graphs there)")
     gpu_memory_utilization: float = knob(0.8, Range(0, 1, lo_open=True),
                                          "GPU only: vLLM's share of a GPU (weights, activations, KV cache); the rest "
                                          "holds what refit allocates (launcher.memory plans both)")
