@@ -82,6 +82,10 @@ class Topology:
     colocate_roles: bool = knob(False, None, "both roles on one node (nodes = train.nodes = generation.nodes = 1)")
     gpu_memory_gib: float = knob(184.0, Range(1, None), "memory per GPU for the memory plan (launcher.memory); "
                                                         "GB200: 186 GB, CUDA reports ~185 GiB")
+    interconnect_gb_s: float = knob(900.0, Range(0, None, lo_open=True),
+                                    "GB/s (1e9 bytes/s) from trainer rank 0 to the vLLM workers, for the dry run's "
+                                    "refit estimate (launcher.refit_cost); GB200 NVL72: 900 (NVLink 5 per GPU and "
+                                    "direction, nodes in one NVLink domain); 50 over a 400 Gb/s InfiniBand NIC")
     train: TrainRole = section(TrainRole, "the Megatron trainers' nodes and parallel layout")
     generation: GenerationRole = section(GenerationRole, "the vLLM generators' nodes and engines")
 
