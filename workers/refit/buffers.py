@@ -36,6 +36,11 @@ class BufferPool:
             if key is not None and tuple(t.shape) == key[0] and t.dtype == key[1]:
                 self._free.setdefault(key, []).append(t)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is one of the tensors waiting in the pool to be reused."""
+        free = self._free.get((tuple(t.shape), t.dtype, t.device), [])
+        return any(f is t for f in free)
+
     def clear(self) -> None:
         self._free.clear()
         self._lent.clear()
