@@ -16,6 +16,7 @@ import torch
 from workers.refit.vllm_extension import RefitWorkerExtension
 
 RECORDING_EXTENSION = f"{__name__}.RecordingRefitExtension"
+HOST_MIRROR = "_cpu"   # vLLM's suffix for a host-side copy of a device tensor (model_tensors)
 
 
 class RecordingRefitExtension(RefitWorkerExtension):
@@ -78,13 +79,22 @@ def model_tensors(model: torch.nn.Module) -> dict[str, tuple]:
     """{name: (tensor, data_ptr, shape, dtype)} of every tensor the model's modules hold: parameters,
     buffers, and tensors kept as plain attributes or in lists/tuples of them (a vLLM CPU linear's
     packed kernel state is not a tensor; an attention layer's KV cache and a LoRA layer's stacked
-    adapter slots are)."""
+    adapter slots are).
+
+    Left out: host-side copies kept for host code, which no kernel reads at a captured address.
+    vLLM names them `*_cpu` (an attention layer's `_k_scale_cpu` / `_v_scale_cpu`: "scales on host
+    instead of on device" for FlashInfer/AITER, set anew to 1.0 by every reload of an unquantized
+    model, attention.set_default_quant_scales), and on an accelerator any attribute tensor in host
+    memory is one. Parameters and buffers are always kept."""
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     out = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
         for attr, value in vars(module).items():
             if attr in ("_parameters", "_buffers"):
                 items = [(name, t) for name, t in value.items() if t is not None]
+            elif attr.endswith(HOST_MIRROR):
+                continue
             elif isinstance(value, torch.Tensor):
                 items = [(attr, value)]
             elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
@@ -92,6 +102,8 @@ def model_tensors(model: torch.nn.Module) -> dict[str, tuple]:
             else:
                 continue
             for name, t in items:
+                if attr not in ("_parameters", "_buffers") and device.type != "cpu" and t.device.type == "cpu":
+                    continue
                 out[prefix + name] = (t, t.data_ptr(), tuple(t.shape), t.dtype)
     return out
 
