@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     engine = RecordingGenerator(config)
     mode_of_graphs = engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
     report = {"engine_start_s": round(time.time() - t0, 1), "executor": config.executor_class(), "modes": {},
-              "eager": config.eager(), "cudagraph_mode": str(mode_of_graphs),
+              "eager": config.eager(), "cudagraph_mode": mode_of_graphs.name,
               "storage": engine.llm.collective_rpc("refit_storage_mark")[0]["with_data"],
               "base": [[g.token_ids, g.logprobs]
                        for g in engine.generate(args["prompts"], temperature=0.0, max_tokens=8, ignore_eos=True)]}
