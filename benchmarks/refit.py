@@ -6,10 +6,12 @@ merged modes, LoRA-enabled for `adapter`) on a local Ray, then times refits exac
 GRPO driver does them (`ObjectStoreRefit.push`, over the Ray object store). Per mode: one cold refit
 (layout, merged_delta's base tensors, adapter load), then `--repeats` warm refits; the table
 shows the warm median. `memcpy` is one single-threaded copy of the merged mode's bytes on this
-machine: the floor for any refit that moves those bytes once. The last column times one greedy
+machine, into memory already touched, timed after each warm refit (the median): the floor for
+any refit that moves those bytes once, under the same load as the refits. The last column times one greedy
 batch after the refits (adapter mode pays LoRA kernels in every decoding step).
 
     OMP_NUM_THREADS=1 python benchmarks/refit.py [--models tiny_llama llama_100m] [--repeats 5]
+        [--modes merged merged_delta adapter] [--targets attention 'all linears']
 """
 
 from __future__ import annotations
@@ -75,15 +77,20 @@ def time_mode(trainers, generators, mode: str, bucket_mb: float, repeats: int) -
         return sync.push(0)
 
     cold = once()
-    warm = [once() for _ in range(repeats)]
-    return {"generate_s": generate_seconds(generators), "bytes": cold.bytes, "tensors": cold.tensors, "buckets": cold.buckets,
+    warm, floor = [], []
+    for _ in range(repeats):  # the memcpy floor between the refits: the same load as they see
+        warm.append(once())
+        floor.append(memcpy_seconds(cold.bytes, repeats=1))
+    return {"generate_s": generate_seconds(generators), "bytes": cold.bytes, "tensors": cold.tensors,
+            "buckets": cold.buckets, "copy_s": statistics.median(floor),
             "cold_s": cold.transfer_and_update_weights_s,
             "s": statistics.median(r.transfer_and_update_weights_s for r in warm),
             "sender_s": statistics.median(r.sender_s for r in warm),
             "receiver_s": statistics.median(r.receiver_s for r in warm)}
 
 
-def run(models: list[str], repeats: int, bucket_mb: float, dim: int, alpha: float, cache: Path) -> list[dict]:
+def run(models: list[str], repeats: int, bucket_mb: float, dim: int, alpha: float, cache: Path,
+        modes: list[str] = list(REFIT_MODES), targets: list[str] = list(TARGETS)) -> list[dict]:
     import ray
 
     from workers import cpu_shim, tiny_models
@@ -103,10 +110,10 @@ def run(models: list[str], repeats: int, bucket_mb: float, dim: int, alpha: floa
             lora = GeneratorGroup(GeneratorConfig(model=str(model_dir), enable_lora=True, max_lora_rank=dim),
                                   slot, ready_timeout_s=600)
             try:
-                for label, targets in TARGETS.items():
-                    trainers = trainer_group(model_dir, targets, dim, alpha)
+                for label in targets:
+                    trainers = trainer_group(model_dir, TARGETS[label], dim, alpha)
                     try:
-                        for mode in REFIT_MODES:
+                        for mode in modes:
                             result = time_mode(trainers, lora if mode == "adapter" else plain, mode, bucket_mb, repeats)
                             rows.append({"model": model, "targets": label, "mode": mode, **result})
                             print(f"  {model:11s} {label:11s} {mode:12s} {result['bytes'] / 2**20:9.2f} MiB "
@@ -119,10 +126,11 @@ def run(models: list[str], repeats: int, bucket_mb: float, dim: int, alpha: floa
     finally:
         ray.shutdown()
     for row in rows:
-        merged = next(r for r in rows if (r["model"], r["targets"], r["mode"]) == (row["model"], row["targets"], "merged"))
+        merged = next((r for r in rows if (r["model"], r["targets"], r["mode"]) == (row["model"], row["targets"], "merged")),
+                      row)
         row["bytes_vs_merged"] = row["bytes"] / merged["bytes"]
         row["s_vs_merged"] = row["s"] / merged["s"]
-        row["memcpy_s"] = memcpy_seconds(merged["bytes"]) if row["mode"] == "merged" else None
+        row["memcpy_s"] = row["copy_s"] if row["mode"] == "merged" else None
     return rows
 
 
@@ -147,9 +155,11 @@ def main(argv=None):
     p.add_argument("--bucket-mb", type=float, default=256)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32)
+    p.add_argument("--modes", nargs="+", default=list(REFIT_MODES), choices=REFIT_MODES)
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "refit_bench_models"))
     a = p.parse_args(argv)
-    rows = run(a.models, a.repeats, a.bucket_mb, a.dim, a.alpha, Path(a.cache))
+    rows = run(a.models, a.repeats, a.bucket_mb, a.dim, a.alpha, Path(a.cache), a.modes, a.targets)
     print()
     print(table(rows))
 

@@ -22,7 +22,7 @@ from typing import NoReturn
 
 from launcher import files, logs, paths
 from launcher import sweep as sweep_mod
-from launcher import memory
+from launcher import memory, refit_cost
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
@@ -338,6 +338,8 @@ def _print_dry_run(r: Resolved) -> None:
     print(f"== plan: topology {cfg.topology.name} ({cfg.topology.executor}, {len(plan.nodes)} node(s))")
     print(plan.describe())
     print(memory.plan_memory(cfg, plan).describe())
+    if costs := refit_cost.describe(cfg):
+        print(costs)
     print(f"\n== resolved config (would be written to {run_dir}/config.yaml)")
     print(config_mod.to_yaml(run_dir_mod.resolved(raw, run_dir)).rstrip())
     for e in r.on_submission:  # files that are not on this machine (model, data, reward)

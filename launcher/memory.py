@@ -47,7 +47,8 @@ TRAINER_RESERVE_GIB = 3.0       # CUDA context + megatron's NCCL communicators (
 ACTIVATION_MARGIN = 0.25        # free memory a trainer rank keeps beyond the activation estimate, as a share of it
 MAMBA_CONV_KERNEL = 4           # NemotronHConfig's conv_kernel (launcher.config.model_facts refuses another)
 MAMBA_SSM_STATE_BYTES = 4       # vLLM keeps a Nemotron-H's SSM state in float32 (its mamba_ssm_cache_dtype)
-ENGINE_ACTIVATIONS_GIB = 4.0    # vLLM's profiled forward (inside its budget; enforce_eager: no CUDA graphs)
+ENGINE_ACTIVATIONS_GIB = 4.0    # vLLM's profiled forward (inside its budget; CUDA graphs too: vLLM 0.32 profiles them
+                                # and takes them out of the KV cache)
 REFIT_GROUP_GIB = 0.5           # the refit group's NCCL communicator on a vLLM worker (outside vLLM's budget)
 _EXPERT = re.compile(r"\.experts\.")          # routed experts (shared_experts are dense)
 _LAYER_MODULE = re.compile(r"^(.*?layers\.\d+\.(?:mixer|mlp)\.experts)\.")  # one MoE layer's experts: one vLLM module

@@ -109,6 +109,10 @@ class Topology:
     colocate_roles: bool = knob(False, None, "both roles on one node (nodes = train.nodes = generation.nodes = 1)")
     gpu_memory_gib: float = knob(184.0, Range(1, None), "memory per GPU for the memory plan (launcher.memory); "
                                                         "GB200: 186 GB, CUDA reports ~185 GiB")
+    interconnect_gb_s: float = knob(900.0, Range(0, None, lo_open=True),
+                                    "GB/s (1e9 bytes/s) from trainer rank 0 to the vLLM workers, for the dry run's "
+                                    "refit estimate (launcher.refit_cost); GB200 NVL72: 900 (NVLink 5 per GPU and "
+                                    "direction, nodes in one NVLink domain); 50 over a 400 Gb/s InfiniBand NIC")
     train: TrainRole = section(TrainRole, "the Megatron trainers' nodes and parallel layout")
     generation: GenerationRole = section(GenerationRole, "the vLLM generators' nodes and engines")
 
@@ -504,7 +508,10 @@ class Vllm:
 
     dtype: str = knob("float32", OneOf(DTYPES), "vLLM's dtype")
     max_model_len: int = knob(512, Range(1, None), "vLLM's context length (at least grpo.max_total_sequence_length)")
-    enforce_eager: bool = knob(True, None, "no CUDA graphs")
+    enforce_eager: Any = knob("auto", OneOf(("auto", True, False)),
+                              "true: no CUDA graphs; auto: false on cuda (vLLM replays its decode steps as CUDA "
+                              "graphs; every refit writes the weights in place, tests/integration/test_generator.py), "
+                              "true on cpu (no graphs there)")
     gpu_memory_utilization: float = knob(0.8, Range(0, 1, lo_open=True),
                                          "GPU only: vLLM's share of a GPU (weights, activations, KV cache); the rest "
                                          "holds what refit allocates (launcher.memory plans both)")

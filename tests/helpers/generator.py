@@ -30,6 +30,15 @@ class RecordingGenerator(VllmGenerator):
         """apply_refit without its prefix-cache reset: the test that proves the reset is needed."""
         return self._apply_refit(payload)
 
+    def refit_storage_mark(self) -> dict:
+        return self.llm.collective_rpc("refit_storage_mark")[0]
+
+    def refit_storage_moved(self) -> list[str]:
+        return self.llm.collective_rpc("refit_storage_moved")[0]
+
+    def refit_plant_replace(self, name: str, how: str) -> None:
+        self.llm.collective_rpc("refit_plant_replace", args=(name, how))
+
 
 class ProbedGeneratorGroup(GeneratorGroup):
     """A GeneratorGroup whose tests call any engine method on every engine."""

@@ -122,16 +122,20 @@ def adapters(trainer) -> dict:
 
 class CountedExport:
     """Wraps a trainer's export_merged (for one refit): before each tensor is made, the bytes of the
-    ones it handed out before that are still alive (weak references), and the largest tensor."""
+    ones it handed out before that are still alive (weak references), and the largest tensor. A
+    merged tensor the sender gave back to its buffer pool (workers.refit.buffers) is memory kept for
+    the next tensors, not one the sender still holds: not counted while it waits in the pool (the
+    GPU memory a refit adds bounds the pool)."""
 
     def __init__(self, trainer):
         self.original, self.alive_bytes, self.largest = trainer.export_merged, [], 0
 
-    def __call__(self):
-        refs = []
-        for name, tensor in self.original():
-            self.alive_bytes.append(sum(t.numel() * t.element_size() for t in (r() for r in refs) if t is not None))
+    def __call__(self, **kwargs):
+        pool, refs = kwargs.get("buffers"), {}
+        for name, tensor in self.original(**kwargs):
+            alive = [t for t in (r() for r in refs.values()) if t is not None and not (pool and pool.holds(t))]
+            self.alive_bytes.append(sum(t.numel() * t.element_size() for t in alive))
             self.largest = max(self.largest, tensor.numel() * tensor.element_size())
-            refs.append(weakref.ref(tensor))
+            refs[id(tensor)] = weakref.ref(tensor)   # a pooled tensor comes back as the same object
             yield name, tensor
             del tensor

@@ -46,6 +46,12 @@ class ProbedTrainer(MegatronTrainer):
                 out.setdefault(name, {})[key] = tensor
         return out
 
+    def bridge_merged_state(self):
+        """Megatron-Bridge's own merged export (export_hf_weights(merge_adapter_weights=True)), as
+        CPU tensors on rank 0 (None elsewhere): what export_merged() must equal bitwise."""
+        pairs = [(name, tensor.cpu()) for name, tensor in self._export_hf(merge_adapters=True)]
+        return pairs if self.rank == 0 else None
+
     def export_unmerged_state(self, keep: bool | str = True):
         """export_merged_state() without merging the adapters: the refit guard must refuse the
         `...base_layer...` names Megatron-Bridge exports then."""

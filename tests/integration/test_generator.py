@@ -6,7 +6,11 @@ trainer takes real GRPO steps between refits, so every refit changes what the ge
 After each refit mode the generators' greedy tokens and logprobs must equal HF transformers on the
 trainer's merged weights (HF PeftModel for the adapter mode), the trainer's own logprobs of sampled
 sequences must agree with the generation logprobs (gen_kl_error), merged_delta must write bitwise
-the tensors merged writes, and a refit without the prefix-cache reset must be caught.
+the tensors merged writes, the trainer's merged export must be bitwise Megatron-Bridge's, a refit
+without the prefix-cache reset must be caught, and every refit mode (and the pipelined loop's
+take/deliver) must leave every tensor of the engines where it was: CUDA graphs replay kernels on the
+addresses they captured, so a refit that replaced a tensor instead of copying into it would leave
+them reading the old weights (vllm.enforce_eager defaults to false on cuda).
 Engines are module-scoped: two plain engines (to test the split across engines) and one with LoRA.
 """
 
@@ -16,8 +20,7 @@ import pytest
 import torch
 
 from launcher.driver.agreement import agreement_metrics
-from tests.helpers.generator import ProbedGeneratorGroup, RecordingGeneratorGroup, recording_config
-from workers.generator.actor import GeneratorConfig
+from tests.helpers.generator import RecordingGeneratorGroup, recording_config
 from workers.refit import control as refit
 
 pytestmark = pytest.mark.integration
@@ -155,8 +158,8 @@ def engines(local_ray, model_dir):
 
 @pytest.fixture(scope="module")
 def lora_engine(local_ray, model_dir):
-    config = GeneratorConfig(model=model_dir, kv_cache_memory_bytes=32 * 2**20, enable_lora=True, max_lora_rank=8)
-    group = ProbedGeneratorGroup(config, [SLOT], ready_timeout_s=300)
+    config = recording_config(model=model_dir, kv_cache_memory_bytes=32 * 2**20, enable_lora=True, max_lora_rank=8)
+    group = RecordingGeneratorGroup(config, [SLOT], ready_timeout_s=300)
     yield group
     group.shutdown()
 
@@ -361,3 +364,90 @@ def test_a_workers_loader_error_ends_the_broadcast_refit_naming_it(trainers, mod
     finally:
         trainers.close_refit_group()
         group.shutdown()
+
+
+def test_the_merged_export_is_bitwise_megatron_bridges(trainers):
+    """export_merged() merges the Bridge's base export with the gathered LoRA factors itself
+    (workers.trainer.merged_export); at TP=2 with LoRA on every linear it must equal the Bridge's own
+    merged export (export_hf_weights(merge_adapter_weights=True)) name for name, bit for bit."""
+    ours, bridge = trainers.call("export_merged_state", keep="rank0")[0], trainers.call("bridge_merged_state")[0]
+    assert [n for n, _ in ours] == [n for n, _ in bridge] and len(ours) == 2 * 9 + 3
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours, bridge))
+
+
+# ---------------------------------------------------------------------------- refit in place (CUDA graphs)
+
+
+def mark(group) -> None:
+    """Every engine remembers where each tensor of its model lives. Not vacuous: the weights that
+    keep their data on a CPU engine (embedding, norms, lm_head; a linear's weight is packed into its
+    oneDNN kernel and its Parameter left empty, on a GPU it is the kernel's operand), the KV cache and,
+    with LoRA, the adapter slots (vLLM's LoRA layers wrap the linears and the embedding: their
+    weights are `<module>.base_layer.weight` there)."""
+    for m in group.call("refit_storage_mark"):
+        names = {n.replace(".base_layer.", ".") for n in m["names"]}
+        assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.down_proj.weight"} <= names
+        assert any(n.endswith(".attn.kv_cache") for n in names) and m["with_data"] > 10 and m["bytes"] > 2**20
+
+
+def logprobs_of(group, ps) -> list:
+    return [g.logprobs for g in greedy(group, ps)]
+
+
+@pytest.mark.parametrize("mode", ["merged", "merged_delta"])
+def test_refits_write_every_tensor_of_the_engines_in_place(engines, trainers, mode):
+    ps = prompts(3, seed=11)
+    mark(engines)
+    before = logprobs_of(engines, ps)
+    for _ in range(3):
+        train_step(trainers, engines)
+        refit_from(trainers, engines, mode)
+        greedy(engines, ps)
+    assert logprobs_of(engines, ps) != before  # the refits changed the weights...
+    assert engines.call("refit_storage_moved") == [[], []]  # ...where they were
+
+
+def test_adapter_refits_keep_every_tensor_in_place(lora_engine, engines, trainers):
+    ps = prompts(3, seed=12)
+    mark(lora_engine)
+    assert any("lora_a_stacked" in n for n in lora_engine.call("refit_storage_mark")[0]["names"])
+    before = logprobs_of(lora_engine, ps)
+    for _ in range(3):
+        train_step(trainers, engines)
+        refit_from(trainers, lora_engine, "adapter")
+        greedy(lora_engine, ps)  # activates the new adapter in vLLM's LoRA slots
+    assert logprobs_of(lora_engine, ps) != before
+    assert lora_engine.call("refit_storage_moved") == [[]]
+
+
+def test_the_pipelined_loops_take_and_deliver_write_in_place(engines, trainers, model_dir):
+    """The pipelined loop takes the trainers' weights into the object store and delivers them later,
+    while the trainers train on (workers.refit.control.ObjectStoreRefit)."""
+    sync = refit.ObjectStoreRefit(trainers, engines, "merged", 0.05)
+    ps = prompts(3, seed=13)
+    mark(engines)
+    first = sync.take(1)
+    train_step(trainers, engines)
+    second = sync.take(2)
+    expected = hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps)
+    sync.deliver(first)
+    greedy(engines, ps)
+    train_step(trainers, engines)
+    sync.deliver(second)
+    assert_matches(greedy(engines, ps), expected)  # the second snapshot, not the trainers' newer weights
+    assert engines.call("refit_storage_moved") == [[], []]
+
+
+@pytest.mark.parametrize("how", ["parameter", "data"])
+def test_a_refit_that_replaces_a_parameter_is_caught(engines, trainers, how):
+    """The check fails on a refit that puts the same values in a new tensor instead of copying into
+    the old one (a new Parameter on the module, or the Parameter's .data pointed elsewhere), on the
+    engine that did it only."""
+    import ray
+
+    mark(engines)
+    ray.get(engines.actors[1].refit_plant_replace.remote("model.norm.weight", how))
+    train_step(trainers, engines)
+    refit_from(trainers, engines, "merged")
+    assert engines.call("refit_storage_moved") == [[], ["model.norm.weight"]]

@@ -4,8 +4,8 @@ Data flows config -> plan -> job -> cluster -> driver -> workers (STAGES), and i
 both directions:
 - no cycle among the project's modules (`from pkg import mod` runs pkg/__init__.py: it counts);
 - backward: a stage imports from an earlier stage only the data every stage shares: the config
-  (launcher/config/), the plan (plan.py, memory.py, activations.py) and SHARED (paths, files, records, logs,
-  progress, the JobContext in cluster/context.py, the metric names in driver/metric_names.py);
+  (launcher/config/), the plan (plan.py, memory.py, activations.py, refit_cost.py) and SHARED (paths, files,
+  records, logs, progress, the JobContext in cluster/context.py, the metric names in driver/metric_names.py);
 - forward: a stage imports a later stage only inside a function, at the hand-off (the submission
   names the bootstrap, the bootstrap the driver's job kinds): importing a stage never loads a
   later one. One exception, the SEAM: the driver imports workers/contracts.py (the Protocols and
@@ -35,7 +35,8 @@ HEAVY = ("torch", "ray", "vllm", "megatron", "transformers", "transformer_engine
 # the config's sections and rules, and the one reader of a checkpoint's facts (both torch-free)
 WORKERS_MAY_IMPORT = ("launcher.config.schema", "launcher.config.model_facts")
 STAGES = ("config", "plan", "job", "cluster", "driver", "workers")
-PLAN = ("launcher.plan", "launcher.memory", "launcher.activations")   # the plan stage: top-level modules
+PLAN = ("launcher.plan", "launcher.memory", "launcher.activations",
+        "launcher.refit_cost")   # the plan stage: top-level modules
 SHARED = ("launcher.paths", "launcher.files", "launcher.records", "launcher.logs", "launcher.progress",
           "launcher.cluster.context", "launcher.driver.metric_names")
 COMMANDS = ("launcher.__main__", "launcher.cli", "launcher.status", "launcher.stop", "launcher.export",

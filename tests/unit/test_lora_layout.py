@@ -207,15 +207,23 @@ def test_adapter_state_errors_are_named():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_is_bitwise_the_bridge_merge(dtype):
-    """alpha/dim = 32/12 is not a power of two, so any other order of operations changes bits."""
+@pytest.mark.parametrize("alpha, dim", [(32, 12), (32, 16), (16, 16), (64, 16), (8, 16)])
+def test_merge_is_bitwise_the_bridge_merge(dtype, alpha, dim):
+    """alpha/dim = 32/12 is not a power of two, so any other order of operations changes bits; 2, 1
+    and 4 take the one-pass path of the in-place merge, 0.5 does not (a power of two below 1 can
+    round subnormal products). With out= (and a float32 scratch for bf16) nothing changes either,
+    also when the buffers held other values before."""
     from megatron.bridge.models.conversion.peft_bridge import MegatronPeftBridge
 
     gen = torch.Generator().manual_seed(4)
     base = torch.randn(96, 160, generator=gen).to(dtype)
-    b = (0.3 * torch.randn(96, 12, generator=gen)).to(dtype)
-    a = torch.randn(12, 160, generator=gen).to(dtype)
-    want = MegatronPeftBridge._merge_single_adapter_weight(None, base, 32, 12, a, b)
-    got = lora_layout.merge_lora_weight(base, b, a, alpha=32, dim=12)
+    b = (0.3 * torch.randn(96, dim, generator=gen)).to(dtype)
+    a = torch.randn(dim, 160, generator=gen).to(dtype)
+    want = MegatronPeftBridge._merge_single_adapter_weight(None, base, alpha, dim, a, b)
+    got = lora_layout.merge_lora_weight(base, b, a, alpha=alpha, dim=dim)
     assert got.dtype == dtype and torch.equal(got, want)
     assert not torch.equal(got, base)
+    out, scratch = torch.full_like(base, 7.0), torch.full(base.shape, -3.0)
+    into = lora_layout.merge_lora_weight(base, b, a, alpha=alpha, dim=dim, out=out,
+                                         scratch=scratch if dtype != torch.float32 else None)
+    assert into is out and torch.equal(out, want)

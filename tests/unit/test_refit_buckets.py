@@ -112,7 +112,7 @@ class _Producer:
     def __init__(self, named):
         self.named, self.rank = named, 0
 
-    def export_merged(self):
+    def export_merged(self, buffers=None, keep=True):
         return iter(self.named)
 
 
@@ -329,3 +329,33 @@ def test_a_receiver_without_the_layout_reads_the_refit_and_says_so():
     finally:
         assert join() == [None]
     assert out["third"][0].layout_received and len(out["third"][1]) == len(SIZES)
+
+
+def test_a_bucket_gives_its_tensors_back_to_the_pool_once_the_consumer_is_past_it():
+    """The merged export writes into pooled buffers (workers.refit.buffers); stream_buckets returns a
+    bucket's buffers when the transport asks for what follows it, so the next tensors reuse them and
+    never overwrite a bucket before it has been copied out."""
+    from workers.refit.buffers import BufferPool
+
+    pool, made, released = BufferPool(), set(), []
+
+    def export():
+        for i in range(9):
+            t = pool.take((256,), torch.float32, "cpu")   # 1 KiB: two per 2 KiB bucket
+            made.add(t.data_ptr())
+            t.fill_(i)
+            yield f"w.{i}", t
+
+    def release(tensors):
+        released.append(len(tensors))
+        pool.give_back(tensors)
+
+    seen = []
+    for _, chunk in refit.stream_buckets(export(), 2048, release):
+        seen.append([float(t[0]) for _, t in chunk])   # what a transport copies out
+        assert not any(pool.holds(t) for _, t in chunk)
+    assert seen == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [8.0]]
+    assert released == [2, 2, 2, 2, 1]
+    assert len(made) == 3 and pool.nbytes == 3 * 1024   # a bucket and the tensor that closed it, reused
+    pool.give_back([torch.zeros(256)])                    # not the pool's: ignored
+    assert pool.nbytes == 3 * 1024

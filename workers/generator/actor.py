@@ -2,10 +2,11 @@
 
 `VllmGenerator` is a plain class; GeneratorGroup turns it into Ray actors. One instance holds one
 vLLM engine whose engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
-  cpu   distributed_executor_backend="uni", enforce_eager, a small kv_cache_memory_bytes: starts
-        in seconds, ~1 GB, and the worker runs in this process, so refit buckets reach it by
-        reference.
-  cuda  the same class with tensor_parallel_size=tensor_parallel. TP 1: "uni" (the worker in this
+  cpu   distributed_executor_backend="uni", eager (`vllm.enforce_eager` auto), a small
+        kv_cache_memory_bytes: starts in seconds, ~1 GB, and the worker runs in this process, so
+        refit buckets reach it by reference.
+  cuda  the same class with tensor_parallel_size=tensor_parallel and CUDA graphs (`vllm.enforce_eager`
+        auto; every refit writes in place, so they stay valid). TP 1: "uni" (the worker in this
         process, on the GPU the actor holds). TP > 1: vLLM 0.32's default Ray executor,
         RayExecutorV2, pinned (`executor_class`, `engine_env`): its workers may span nodes (the
         reference recipe: one engine, TP 8 on two nodes), take one GPU bundle each of the
@@ -75,6 +76,15 @@ class GeneratorConfig(Vllm):
             raise ValueError(f"GeneratorConfig: unknown keys {unknown}")
         return cls(model=str(model), device=device, enable_lora=(refit_mode == "adapter"), seed=seed, **values)
 
+    def eager(self) -> bool:
+        """vllm.enforce_eager resolved: "auto" is eager on cpu and CUDA graphs on cuda. Graphs replay
+        kernels on the addresses they captured; refit writes every weight in place (vLLM's layerwise
+        reload copies into the original tensors; adapters load into vLLM's LoRA slots), which
+        tests/integration/test_generator.py checks tensor by tensor for every mode."""
+        if self.enforce_eager == "auto":
+            return self.device == "cpu"
+        return bool(self.enforce_eager)
+
     def executor_class(self) -> str:
         """The vLLM executor this engine runs (module.Class): checked by the preflight on every node."""
         return RAY_EXECUTOR if self.device != "cpu" and self.tensor_parallel > 1 else UNI_EXECUTOR
@@ -90,7 +100,7 @@ class GeneratorConfig(Vllm):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of vllm.LLM for this config."""
         kw: dict[str, Any] = dict(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
-                                  enforce_eager=self.enforce_eager, seed=self.seed,
+                                  enforce_eager=self.eager(), seed=self.seed,
                                   logprobs_mode=self.logprobs_mode, worker_extension_cls=self.worker_extension,
                                   distributed_executor_backend="ray" if self.executor_class() == RAY_EXECUTOR
                                   else "uni")  # "ray": workers may live on other nodes

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from workers.contracts import Generation, GeneratorInfo
 from workers.generator.actor import GeneratorConfig, VllmGenerator
 from workers.generator.placement import in_placement_group
+from workers.process_env import with_actor_env
 from workers.refit.transports import BroadcastTransport, RayTransport
 
 
@@ -53,7 +54,7 @@ class GeneratorGroup:
                 pg, placed = in_placement_group(engine_bundles)
                 self.groups.append(pg)
                 opts.update(placed)
-            self.actors.append(remote_cls.options(**opts).remote(self.config))
+            self.actors.append(remote_cls.options(**with_actor_env(opts)).remote(self.config))
         try:
             self.infos = ray.get([a.info.remote() for a in self.actors], timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:

@@ -27,6 +27,7 @@ Megatron imports are lazy (first use) and go through `workers.cpu_shim` on machi
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -282,14 +283,36 @@ def lora_numbers(lora_config: Any) -> tuple[int, float]:
 
 
 def merge_lora_weight(base: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor,
-                      alpha: float, dim: int) -> torch.Tensor:
+                      alpha: float, dim: int, out: torch.Tensor | None = None,
+                      scratch: torch.Tensor | None = None) -> torch.Tensor:
     """W = base + (alpha / dim) * (B @ A), with the Bridge's merged export's dtypes and order.
 
     Megatron-Bridge (_merge_single_adapter_weight -> LoRAMerge.merge, TP=1 after gathering):
     float32 copies of all three, lora = scale * (B @ A) with scale the Python float alpha / dim,
     merged = base + lora, cast back to base's dtype. Same inputs, same device kind -> same bits.
+
+    out (base's shape and dtype) receives W and is returned; scratch (base's shape, float32) holds
+    the float32 sum when base is not float32 (else out does). With them nothing is allocated but
+    the float32 copies of the small factors, and B @ A is written once (matmul out=), scaled and
+    added in place: the same roundings as the three full-size temporaries of the Bridge's merge.
+    When the scale is a power of two >= 1 (alpha = 2 * dim, the common choice), scale * (B @ A) is
+    exact, so base + scale * (B @ A) is one pass (torch.add's alpha; rounded once, as the Bridge
+    rounds the sum) instead of two.
     """
     scale = alpha / dim
-    lora = scale * (lora_b.to(device=base.device, dtype=torch.float32)
-                    @ lora_a.to(device=base.device, dtype=torch.float32))
-    return (base.float() + lora).to(base.dtype)
+    b32 = lora_b.to(device=base.device, dtype=torch.float32)
+    a32 = lora_a.to(device=base.device, dtype=torch.float32)
+    if out is None:
+        return (base.float() + scale * (b32 @ a32)).to(base.dtype)
+    total = out if base.dtype == torch.float32 else scratch
+    if total is None:
+        total = torch.empty(base.shape, dtype=torch.float32, device=base.device)
+    torch.matmul(b32, a32, out=total)
+    if scale >= 1 and math.frexp(scale)[0] == 0.5:   # 2**k, k >= 0: scale * x is exact in float32
+        torch.add(base, total, alpha=scale, out=total)
+    else:
+        total.mul_(scale)
+        total.add_(base)   # base + lora: addition commutes bitwise
+    if total is not out:
+        out.copy_(total)   # float32 -> base's dtype, as .to(base.dtype) rounds
+    return out

@@ -34,7 +34,7 @@ stream meets a protocol problem drains the same way before it raises. What it re
 one reused buffer (the last bucket's), never a new one per bucket: the likeliest loader failure is
 an out-of-memory error, which a fresh allocation per bucket would only repeat.
 
-send(mode, kind, named, groups, dim, alpha, bucket_bytes) -> RefitPayload (sender_s left to the caller).
+send(mode, kind, named, groups, dim, alpha, bucket_bytes, release) -> RefitPayload (sender_s left to the caller).
 receive(spec, layouts) -> Incoming(layout, lazy (name, tensor) stream, layout_received); `layouts` is
 the receiver's cache (kind -> layout), updated in place. Buckets are fetched one at a time as the
 stream is consumed, so at most one bucket is resident beyond what the consumer keeps.
@@ -116,13 +116,14 @@ class RayTransport(_Transport):
     name = "ray"
 
     def send(self, mode: str, kind: str, named: Iterable[tuple[str, torch.Tensor]], groups: tuple,
-             dim: int, alpha: float, bucket_bytes: int) -> RefitPayload:
-        """Stream: each bucket is ray.put as soon as it is closed, and its tensors dropped."""
+             dim: int, alpha: float, bucket_bytes: int, release: Callable | None = None) -> RefitPayload:
+        """Stream: each bucket is ray.put as soon as it is closed, and its tensors dropped (or
+        released: `release`, see wire.stream_buckets)."""
         import ray
 
         metas: list[TensorMeta] = []
         refs = []
-        for _, chunk in stream_buckets(named, bucket_bytes):
+        for _, chunk in stream_buckets(named, bucket_bytes, release):
             # one array per tensor, no staging buffer: ray.put copies each once, into the store
             refs.append(ray.put([_bytes_of(t) for _, t in chunk]))
             metas.extend(m for m, _ in chunk)
@@ -276,8 +277,9 @@ class BroadcastTransport(_Transport):
 
     # ---------------------------------------------------------------- sender
     def send(self, mode: str, kind: str, named: Iterable[tuple[str, torch.Tensor]], groups: tuple,
-             dim: int, alpha: float, bucket_bytes: int) -> RefitPayload:
-        """Open, then each bucket as soon as the export has closed it, then end (see the module docstring)."""
+             dim: int, alpha: float, bucket_bytes: int, release: Callable | None = None) -> RefitPayload:
+        """Open, then each bucket as soon as the export has closed it, then end (see the module
+        docstring); `release` as in wire.stream_buckets."""
         known, _ = self._sent.get(kind, (None, None))
         head = RefitLayout(kind, (), bucket_bytes, tuple(groups), dim, alpha)
         streaming = known is None or _head(known) != _head(head)
@@ -286,7 +288,7 @@ class BroadcastTransport(_Transport):
         metas_all: list[TensorMeta] = []
         n = 0
         try:
-            for bucket, chunk in stream_buckets(named, bucket_bytes):
+            for bucket, chunk in stream_buckets(named, bucket_bytes, release):
                 metas = tuple(m for m, _ in chunk)
                 if streaming:
                     layout_bytes += self._say({"metas": [[m.name, list(m.shape), m.dtype] for m in metas]})

@@ -32,7 +32,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -126,27 +126,37 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
-def stream_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+def stream_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                   release: Callable[[list[torch.Tensor]], None] | None = None
                    ) -> Iterator[tuple[Bucket, list[tuple[TensorMeta, torch.Tensor]]]]:
     """plan_buckets' rule applied while the tensors arrive: yields each bucket as soon as it is
     closed, with its (meta, tensor) pairs, so a sender holds one bucket's tensors (plus the one
     that closed it) and never the whole stream. The list it yields is its own: a consumer that
-    clears it once the bucket is packed releases those tensors before asking for the next."""
+    clears it once the bucket is packed releases those tensors before asking for the next.
+    `release(tensors)` is called with a bucket's tensors when the consumer asks for what follows
+    it (it has copied them out by then): the export's buffer pool takes its buffers back."""
     start, pending, offsets, end = 0, [], [], 0
     for name, tensor in named:
         meta = TensorMeta.of(name, tensor)
         offset = aligned(end)
         if pending and offset + meta.nbytes > bucket_bytes:
             closed, pending = pending, []
+            done = [t for _, t in closed] if release is not None else []
             yield Bucket(start, tuple(offsets), end), closed
             del closed
+            if done:
+                release(done)
+            del done
             start, offsets, offset = start + len(offsets), [], 0
         pending.append((meta, tensor))
         offsets.append(offset)
         end = offset + meta.nbytes
         del tensor  # the pending list is the only reference this generator keeps
     if pending:
+        done = [t for _, t in pending] if release is not None else []
         yield Bucket(start, tuple(offsets), end), pending
+        if done:
+            release(done)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Methods (all ranks of the group call each one together: they are collective):
   logprobs(batch, adapters=True)  per-token logprobs; adapters=False is the reference policy
                                   (the pretrained weights, without a second model copy)
   train(batch)                    one optimizer step of the GRPO loss on this rank's DP shard
-  export_merged()                 (hf_name, tensor) with LoRA merged, behind the refit guard
+  export_merged()                 (hf_name, tensor) with LoRA merged (workers.trainer.merged_export),
+                                  behind the refit guard
   adapter_state(), lora_config()  full (TP-gathered) LoRA factors under Megatron names (workers.trainer.gather)
   save_state(dir), load_state(dir) adapter + optimizer + scheduler + RNG, megatron dist_checkpointing
                                   (torch_dist), resharding-safe (saved at TP=2, loads at TP=1) (workers.trainer.state)
@@ -36,11 +37,13 @@ from typing import Any, Iterator, Optional
 import torch
 
 from workers import cpu_shim, hf_checkpoint
+from workers.refit.buffers import BufferPool
 from workers.refit.sender import Sender
 from workers.refit.transports import DEFAULT_TIMEOUT_S
 from workers.refit.wire import guard_names
 from workers.contracts import TrainerBatch, TrainerInfo
-from workers.trainer import build, gather, state
+from workers.lora.layout import ModelLayout, hf_lora_groups, lora_numbers
+from workers.trainer import build, gather, merged_export, state
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import grpo_loss
 
@@ -301,20 +304,50 @@ class MegatronTrainer:
         return out
 
     # ----------------------------------------------------------------- weights out
-    def export_merged(self) -> Iterator[tuple[str, Any]]:
+    def export_merged(self, buffers: BufferPool | None = None, keep: bool = True) -> Iterator[tuple[str, Any]]:
         """HF-named weights, LoRA merged in (plain weights for full fine-tuning), refit-guarded.
 
-        Collective over the model-parallel group: every rank must drain it; every rank gets full tensors.
+        Collective over the model-parallel group: every rank must drain it; every rank gets full
+        tensors, merged on the ranks that keep them (keep=False: a rank that drains the export merges
+        nothing). The merge is workers.trainer.merged_export's, into tensors taken from `buffers`
+        (the refit sender's pool, given back bucket by bucket; None: fresh tensors); LoRA on routed
+        experts keeps Megatron-Bridge's merged export.
         """
-        return self._export_hf(merge_adapters=self.lora is not None)
+        if self.lora is None:
+            return self._export_hf(merge_adapters=False)
+        wrapped = [n for n, _ in self._module.named_parameters() if ".adapter." in n]
+        if not merged_export.merges_here(wrapped):
+            return self._export_hf(merge_adapters=True)
+        dim, alpha = lora_numbers(self.lora_config())
+        layout = ModelLayout.from_facts(self.cfg.facts)
+        groups = hf_lora_groups(layout, self.adapter_state())  # TP-gathered on every rank (collective)
+        base = self._unpad_vocab(self._bridge_export(merge_adapters=False))
+        return guard_names(merged_export.merged(base, groups, alpha, dim, layout.family, buffers, keep))
 
     def _export_hf(self, merge_adapters: bool) -> Iterator[tuple[str, Any]]:
+        """Megatron-Bridge's export, refit-guarded, with LoRA merged by the Bridge or not at all."""
+        return guard_names(self._unpad_vocab(self._bridge_export(merge_adapters)))
+
+    def _bridge_export(self, merge_adapters: bool) -> Iterator[tuple[str, Any]]:
         """On cuda the tensors stay on the GPU (cpu=False): rank 0 packs its refit buckets there and
         the other ranks drop each one at once; cpu=True would copy the whole model to host memory on
         every rank at every refit. (On CPU cpu=True copies nothing: the tensors alias the weights.)"""
-        weights = self.bridge.export_hf_weights(self.model, cpu=self.is_cpu, show_progress=False,
-                                                merge_adapter_weights=merge_adapters)
-        return guard_names(self._unpad_vocab(weights))
+        return self.bridge.export_hf_weights(self.model, cpu=self.is_cpu, show_progress=False,
+                                             merge_adapter_weights=merge_adapters,
+                                             conversion_tasks=self._conversion_tasks())
+
+    def _conversion_tasks(self) -> list:
+        """The Bridge's export tasks (each Megatron parameter, its mapping and module), built once:
+        export_hf_weights otherwise rebuilds them on every export by walking every module, about
+        half of an unmerged export of llama_100m here (docs/benchmarks.md). They hold the modules
+        and parameters themselves, which training updates in place, so they stay valid."""
+        if getattr(self, "_export_tasks", None) is None:
+            from megatron.bridge.models.conversion.model_bridge import unwrap_model
+
+            models = self.model if isinstance(self.model, list) else [self.model]
+            self._export_tasks = self.bridge._model_bridge.build_conversion_tasks(self.bridge.hf_pretrained,
+                                                                                  unwrap_model(models))
+        return self._export_tasks
 
     def _unpad_vocab(self, weights):
         """Drop the rows megatron added to make the vocab divisible by TP (the bridge exports them)."""

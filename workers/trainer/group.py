@@ -20,6 +20,7 @@ import torch
 
 from launcher.config.schema import TRAIN_SLOT
 from workers.contracts import TrainerBatch, TrainerInfo
+from workers.process_env import with_actor_env
 from workers.trainer.actor import MegatronTrainer
 from workers.trainer.config import TrainerConfig
 
@@ -65,7 +66,7 @@ class TrainerGroup:
         self.world_size = len(actor_options)
         self.poll_s = poll_s
         remote_cls = ray.remote(self.ACTOR)
-        self.actors = [remote_cls.options(**opts).remote(config, rank, self.world_size)
+        self.actors = [remote_cls.options(**with_actor_env(opts)).remote(config, rank, self.world_size)
                        for rank, opts in enumerate(actor_options)]
         self.where = self._call("where")
         master_addr, master_port = self._get([self.actors[0].node_address.remote()], ranks=[0])[0]
