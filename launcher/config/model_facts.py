@@ -208,13 +208,13 @@ ROPE_PARAMETERS: dict[str, dict[str, Any]] = {
 
 def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
     """(facts, architectures) of the HF checkpoint directory `path`; ConfigError on a bad config.json."""
+    from launcher.config import bounded
+
     cfg_file = Path(path) / "config.json"
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except OSError as e:
-        raise ConfigError("model.path", f"cannot read {cfg_file}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise ConfigError("model.path", f"{cfg_file} is not valid JSON: {e}") from None
+    try:  # the one bounded reader: a size and depth limit, no NaN
+        hf = bounded.json_file(cfg_file, bounded.LIMITS["model config"], "model config")
+    except bounded.FileError as e:
+        raise ConfigError("model.path", str(e)) from None
     if not isinstance(hf, dict):
         raise ConfigError("model.path", f"{cfg_file} must hold a JSON object, got {type(hf).__name__}")
     return read_hf(hf, str(cfg_file))
