@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from launcher import memory, paths
 from launcher import plan as plan_mod
-from launcher.config import model_facts, model_files, model_rules
+from launcher.config import job_limits, model_facts, model_files
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
 from launcher.config.schema import BUILTIN_MODELS, LORA_MODULES, LORA_NOT_IN_PEFT, Config, loss_errors
@@ -26,7 +26,10 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
         return errs
     errs = plan_mod.check(cfg.topology)
     errs += _paths(cfg)
-    errs += _model(cfg, submitting)
+    model_errs = _model(cfg, submitting)
+    # what the job's components refuse when they start (vLLM's context, the rope, megatron's scheduler):
+    # the job checks the same again before it starts (launcher.driver.start_check)
+    errs += model_errs or job_limits.errors(cfg)
     errs += _parallel_vs_model(cfg)
     errs += _peft(cfg)
     errs += _refit_and_vllm(cfg)
@@ -59,7 +62,9 @@ def _paths(cfg: Config) -> list[ConfigError]:
 
 def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
     """The model's facts are resolved (launcher.config.model_facts: from config.json or the built-in
-    recipe) before this runs; unresolved (None) ones belong to a dry run for a checkpoint elsewhere."""
+    recipe) before this runs; unresolved (None) ones belong to a dry run for a checkpoint elsewhere.
+    What the stack cannot honour of them (launcher.config.model_rules) is one of the job's limits
+    (launcher.config.job_limits), checked after these."""
     m = cfg.model
     errs = []
     if m.family is not None and m.family not in model_facts.supported_families():
@@ -74,7 +79,7 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
     if m.num_attention_heads and m.num_query_groups and m.num_attention_heads % m.num_query_groups:
         errs.append(ConfigError("model.num_query_groups", f"must divide num_attention_heads = "
                                                           f"{m.num_attention_heads}, got {m.num_query_groups}"))
-    return errs + (model_rules.errors(m, cfg.topology.device) if not errs else [])
+    return errs
 
 
 def _model_dir(cfg: Config, submitting: bool) -> list[ConfigError]:

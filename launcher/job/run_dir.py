@@ -121,24 +121,15 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
 
 def check(cfg: Config, run_dir: Path) -> tuple:
     """Every refusal of a submission on this run directory, writing nothing: another job or a local
-    run uses it, its checkpoints live elsewhere, it holds checkpoints and this is not a resume, the
-    checkpoint to resume is unusable (its files and records) or the run is done. A sweep checks
-    every point before it writes any. Returns (the checkpoint folder, the resume's manager and
+    run uses it, its checkpoints live elsewhere, it holds checkpoints and this is not a resume, or
+    anything the job would refuse when it starts (launcher.driver.start_check: the checkpoint to
+    resume, its records and schedule, the run done). A sweep checks every point before it writes any. Returns (the checkpoint folder, the resume's manager and
     checkpoint, or None)."""
+    from launcher.driver import start_check  # torch-free: what the job checks when it starts, run here first
+
     ckpts = checkpoint_dirs(cfg, run_dir)
     _claim(cfg, run_dir, ckpts)
-    resumed = None
-    if cfg.resume is not None:
-        from launcher.driver.checkpoints import CheckpointManager, check_compatible, nothing_left
-
-        manager = CheckpointManager(ckpts, cfg.checkpointing)
-        ckpt = manager.resolve(cfg.resume)  # a one-line error if unusable
-        check_compatible(ckpt.path, cfg)
-        if nothing_left(cfg, ckpt.step):
-            raise ConfigError("grpo.max_num_steps", f"{ckpt.path} is at step {ckpt.step}: the run has done its "
-                                                    f"{cfg.grpo.max_num_steps} steps; to train on, resume with "
-                                                    f"grpo.max_num_steps=N above {ckpt.step}")
-        resumed = (manager, ckpt)
+    resumed = start_check.check(cfg, run_dir)  # the same function the job runs before Ray (bootstrap)
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "

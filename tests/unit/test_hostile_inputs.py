@@ -530,8 +530,7 @@ def test_the_job_checks_the_checkpoint_to_resume_before_ray(sandbox, monkeypatch
 
     _ckpt("g", 5)(sandbox)
     run = sandbox / "runs" / "g"
-    assert cli.main([*SLURM, "submit=false", "run.name=g", f"run.root={sandbox / 'runs'}", "+resume=step_5",
-                     "grpo.max_num_steps=10"]) == 0
+    assert cli.main([*SLURM, "submit=false", "run.name=g", f"run.root={sandbox / 'runs'}", "+resume=step_5"]) == 0
     ckpt = run / "checkpoints" / "step_5"
     (ckpt / "training_info.json").write_text(json.dumps({"step": 5, "consumed_prompts": -1}))
     rewrite_manifest(ckpt)
