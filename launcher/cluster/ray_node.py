@@ -130,7 +130,7 @@ def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: st
     _log.debug(f"{ctx.hostname}: $ {shlex.join(cmd)} (log: {log_file})")
     env = {**os.environ, **auth_env(ctx), "RAY_USAGE_STATS_ENABLED": "0"}
     with files.open_append(log_file) as out:  # the run directory's mode
-        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.write(f"\n$ {shlex.join(cmd)}\n")
         out.flush()
         # under launcher.cluster.reaper: nothing of this Ray node survives this process (see its docstring)
         return subprocess.Popen([sys.executable, "-m", "launcher.cluster.reaper", str(os.getpid()), *cmd], stdout=out,

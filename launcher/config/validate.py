@@ -26,6 +26,8 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
         return errs
     errs = plan_mod.check(cfg.topology)
     errs += _paths(cfg)
+    if errs:  # a path the OS refuses (a name too long, a symlink loop): its line, before any reader meets it
+        return errs
     model_errs = _model(cfg, submitting)
     # what the job's components refuse when they start (vLLM's context, the rope, megatron's scheduler):
     # the job checks the same again before it starts (launcher.driver.start_check)
@@ -57,7 +59,21 @@ def _paths(cfg: Config) -> list[ConfigError]:
              for key in paths.PATH_KEYS]
     if cfg.resume is not None and not paths.RESUME_WORDS.match(cfg.resume):
         errs.append(paths.path_error("resume", cfg.resume))
-    return [e for e in errs if e is not None]
+    errs = [e for e in errs if e is not None]
+    if not errs:  # the OS's own refusals of a path (a name too long, a symlink loop): one line each
+        values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in paths.PATH_KEYS}
+        values["run.name"] = f"{cfg.run.root}/{cfg.run.name}"
+        if cfg.resume is not None and not paths.RESUME_WORDS.match(cfg.resume):
+            values["resume"] = cfg.resume
+        for key in ("data.train", "data.validation"):
+            values[key] = getattr(cfg.data, key.split(".")[1])
+        values["reward.fn"] = cfg.reward.fn.rpartition(":")[0] if ":" in cfg.reward.fn else None
+        for key, v in values.items():
+            if key == "run.name" and errs:
+                continue  # run.root's own problem
+            if (e := paths.path_problem(key, v)) is not None:
+                errs.append(e)
+    return errs
 
 
 def _model(cfg: Config, submitting: bool) -> list[ConfigError]:

@@ -232,7 +232,7 @@ def _check_storage(f: Path, metadata) -> None:
             sizes[rel] = data.stat().st_size
         if offset + length > sizes[rel]:
             raise CheckpointError(f"{f.parent / rel}: {sizes[rel]} bytes, but {f.name} says its data runs to byte "
-                                  f"{offset + length} (cut short?); not resumable")
+                                  f"{offset + length} (cut short?); the checkpoint is damaged")
 
 
 # what a checkpoint's adapter/optimizer tensors depend on: resuming with any of these changed

@@ -2,8 +2,11 @@
 
 `reward.fn` is a built-in (below), `pkg.module:function`, or `path/to/file.py:function`. A file is
 copied into `RUN/reward/` at submission and loaded from there, so a requeued job runs the same
-code. Calls run in `reward.workers` worker processes (launcher.driver.reward_pool) with a per-call
-timeout; an exception, a timeout or a non-finite value gives 0 for that sample with
+code. The user's code cannot end the launcher or a reward worker: importing it and calling it catch
+every exception, `SystemExit` included (an import that exits is one line naming the file; Ctrl-C
+still interrupts). Calls run in `reward.workers` worker processes (launcher.driver.reward_pool)
+with a per-call timeout; an exception, a timeout, or a result that is not a finite real number (a
+string, an integer too large for a float, NaN) gives 0 for that sample with
 `reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or stops the
 run with one line naming the record with `fail`.
 
@@ -27,6 +30,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import re
 import sys
 import traceback
@@ -131,18 +135,25 @@ def load(spec: str, answer_key: str = "answer", run_dir: Path | None = None) -> 
             module = importlib.util.module_from_spec(s)
             sys.modules[mod_name] = module
             s.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - the user's file: say what broke, in one line
-            raise ConfigError("reward.fn", f"cannot import {path}: {type(e).__name__}: {e}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the user's file (sys.exit included): what broke, in one line
+            raise ConfigError("reward.fn", f"cannot import {path}: {_what(e)}") from None
     elif ":" in spec:
         mod_name = spec.partition(":")[0]
         try:
             module = importlib.import_module(mod_name)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError("reward.fn", f"cannot import module {mod_name!r}: {type(e).__name__}: {e}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the user's module (sys.exit included)
+            raise ConfigError("reward.fn", f"cannot import module {mod_name!r}: {_what(e)}") from None
     else:
         raise ConfigError("reward.fn", f"{spec!r} is not a built-in ({', '.join(BUILTIN)}) nor "
                                        f"pkg.module:function nor path/to/file.py:function")
-    fn = getattr(module, name, None)
+    try:
+        fn = getattr(module, name, None)
+    except Exception as e:  # noqa: BLE001 - a module __getattr__ of the user's
+        raise ConfigError("reward.fn", f"{spec}: {_what(e)}") from None
     if fn is None:
         raise ConfigError("reward.fn", f"{spec}: the module has no {name!r}")
     if not callable(fn):
@@ -155,6 +166,36 @@ def load(spec: str, answer_key: str = "answer", run_dir: Path | None = None) -> 
     except ValueError:
         pass  # no signature to inspect (a builtin): trust it
     return fn
+
+
+def _what(e: BaseException) -> str:
+    """An exception of the user's code in one line (`SystemExit(3)` says it exited)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r}) (SystemExit): a reward module must not exit"
+    text = " | ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def as_reward(value) -> tuple[float | None, str]:
+    """(the value as a float, '') for a finite real number (int, float, bool, numpy's, a 0-d tensor
+    via __float__), else (None, why): a string, None, a list, an integer too large for a float, NaN."""
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        return None, f"returned {_short(value)} ({type(value).__name__}), not a number"
+    try:
+        out = float(value)
+    except Exception as e:  # noqa: BLE001 - OverflowError (10**400), a __float__ of the user's
+        return None, f"returned {_short(value)}, not a float ({type(e).__name__})"
+    if not math.isfinite(out):
+        return None, f"returned {out}, not a finite number"
+    return out, ""
+
+
+def _short(value) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - the user's __repr__
+        return type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check(r: Reward, submitting: bool) -> list[ConfigError]:
@@ -181,8 +222,8 @@ def init_worker(spec: str, answer_key: str, run_dir: str | None) -> None:
     global _FN, _LOAD_ERROR
     try:
         _FN = load(spec, answer_key, Path(run_dir) if run_dir else None)
-    except Exception as e:  # noqa: BLE001 - reported on each call
-        _LOAD_ERROR = f"{type(e).__name__}: {e}"
+    except BaseException as e:  # noqa: BLE001 - reported on each call (the worker stays up)
+        _LOAD_ERROR = _what(e)
 
 
 def call(response: str, example: dict) -> tuple:
@@ -191,15 +232,10 @@ def call(response: str, example: dict) -> tuple:
         return ("error", f"reward.fn could not be loaded: {_LOAD_ERROR}", _LOAD_ERROR or "")
     try:
         value = _FN(response, example)
-    except Exception as e:  # noqa: BLE001 - the user's code
-        return ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return ("error", f"returned {value!r}, not a number", "")
-    if not math.isfinite(value):
-        return ("error", f"returned {value}, not a finite number", "")
-    return ("ok", value)
+    except BaseException as e:  # noqa: BLE001 - the user's code: an exception or sys.exit scores as an error
+        return ("error", _what(e), traceback.format_exc())
+    out, why = as_reward(value)
+    return ("ok", out) if why == "" else ("error", why, "")
 
 
 class RewardFailed(Exception):

@@ -18,7 +18,7 @@ from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
-from launcher import files, paths
+from launcher import files, paths, shell
 from launcher.config.schema import Config
 from launcher.job import sbatch, slurm_job
 from launcher.paths import checkpoint_dirs
@@ -61,8 +61,8 @@ def _claim(cfg: Config, run_dir: Path, ckpts: Path) -> None:
     job = active_job(run_dir)
     if job is not None:
         raise ConfigError("run.name", f"{run_dir} belongs to job {job[0]} ({job[1]}), which reads its config.yaml "
-                                      f"when it starts or requeues; wait for it, scancel {job[0]}, or use "
-                                      f"run.name=<new name>")
+                                      f"when it starts or requeues; wait for it, {shell.command('scancel', job[0])}, "
+                                      f"or use run.name=<new name>")
     saved = run_dir / paths.CONFIG
     if cfg.resume is None and saved.is_file():
         try:
@@ -123,11 +123,18 @@ def check(cfg: Config, run_dir: Path) -> tuple:
     """Every refusal of a submission on this run directory, writing nothing: another job or a local
     run uses it, its checkpoints live elsewhere, it holds checkpoints and this is not a resume, or
     anything the job would refuse when it starts (launcher.driver.start_check: the checkpoint to
-    resume, its records and schedule, the run done). A sweep checks every point before it writes any. Returns (the checkpoint folder, the resume's manager and
-    checkpoint, or None)."""
+    resume, its records and schedule, the run done). A sweep checks every point before it writes
+    any. Returns (the checkpoint folder, the resume's manager and checkpoint, or None)."""
     from launcher.driver import start_check  # torch-free: what the job checks when it starts, run here first
 
     ckpts = checkpoint_dirs(cfg, run_dir)
+    for key, d in (("run.name", run_dir), ("checkpointing.dir", ckpts)):  # links followed: the folder it is
+        try:
+            err = files.not_yours(d)
+        except (OSError, RuntimeError) as e:  # a name too long, a symlink loop
+            raise ConfigError(key, f"{d}: {paths.os_error_text(e)}") from None
+        if err is not None:
+            raise ConfigError(key, str(err))
     _claim(cfg, run_dir, ckpts)
     resumed = start_check.check(cfg, run_dir)  # the same function the job runs before Ray (bootstrap)
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
@@ -149,7 +156,7 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
         for d in (run_dir, run_dir / paths.LOGS, ckpts):  # also a run dir written before with wider modes:
             files.make_dir(d, policy)  # what is inside (the job's logs, checkpoints, ...) is reachable only through it
     except OSError as e:
-        raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
+        raise ConfigError("run.root", f"cannot create {run_dir}: {paths.os_error_text(e)}") from None
     hold(cfg, run_dir, keep=runs_here and spec is None and cfg.submit)  # before anything in it changes
     if resumed is not None:  # before the job can start or requeue: it must see only this branch
         manager, ckpt = resumed
@@ -172,7 +179,8 @@ def written(run_dir: Path, spec: sbatch.JobSpec | None) -> str:
     if spec is None:
         return (f"wrote {run_dir} (config.yaml, plan.txt); nothing was run (submit=false). Run it on this "
                 f"machine with the same command and submit=true")
-    return f"wrote {run_dir} (config.yaml, plan.txt, ray_job.sbatch); submit it with:\n  sbatch {run_dir}/ray_job.sbatch"
+    return (f"wrote {run_dir} (config.yaml, plan.txt, ray_job.sbatch); submit it with:\n  "
+            f"{shell.command('sbatch', run_dir / paths.SBATCH_SCRIPT)}")
 
 
 def resume_note(cfg: Config, run_dir: Path) -> str | None:

@@ -5,7 +5,8 @@ both directions:
 - no cycle among the project's modules (`from pkg import mod` runs pkg/__init__.py: it counts);
 - backward: a stage imports from an earlier stage only the data every stage shares: the config
   (launcher/config/), the plan (plan.py, memory.py) and SHARED (paths, files, records, logs,
-  progress, the JobContext in cluster/context.py, the metric names in driver/metric_names.py);
+  progress, the printed commands in shell.py, the JobContext in cluster/context.py, the metric
+  names in driver/metric_names.py);
 - forward: a stage imports a later stage only inside a function, at the hand-off (the submission
   names the bootstrap, the bootstrap the driver's job kinds): importing a stage never loads a
   later one. One exception, the SEAM: the driver imports workers/contracts.py (the Protocols and
@@ -41,7 +42,7 @@ WORKERS_MAY_IMPORT = ("launcher.config.schema", "launcher.config.model_facts", "
 STAGES = ("config", "plan", "job", "cluster", "driver", "workers")
 PLAN = ("launcher.plan", "launcher.memory")   # the plan stage: two top-level modules
 SHARED = ("launcher.paths", "launcher.files", "launcher.records", "launcher.logs", "launcher.progress",
-          "launcher.cluster.context", "launcher.driver.metric_names")
+          "launcher.shell", "launcher.cluster.context", "launcher.driver.metric_names")
 COMMANDS = ("launcher.__main__", "launcher.cli", "launcher.status", "launcher.stop", "launcher.export",
             "launcher.sweep")
 WORKER_IMPORTERS = ("launcher.export", "launcher.cluster.preflight")   # besides driver/
