@@ -310,7 +310,8 @@ def _multirun(overrides: list[str], opts: argparse.Namespace) -> int:
     print(sweep_mod.table(points, rows))
     print(f"sweep {sdir} ({len(points)} point(s); record: sweep.jsonl)")
     if first.topology.executor == "slurm" and not first.submit:
-        print(f"submit each with: sbatch <run directory>/ray_job.sbatch   (run directories under {sdir.parents[1]})")
+        print("submit each with:\n" + "\n".join(f"  {shell.command('sbatch', r.run_dir / paths.SBATCH_SCRIPT)}"
+                                                  for r in runs))
     else:
         print(f"follow it: {shell.command('python', '-m', 'launcher.status', sdir, '--watch')}")
     return rc or (1 if failures else 0)

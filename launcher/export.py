@@ -76,8 +76,8 @@ def check_out(out: Path, checkpoint: Path | None = None) -> None:
     files that no manifest lists: no longer resumable nor exportable)."""
     inside = _inside_checkpoints(out, checkpoint)
     if inside is not None:
-        raise ExportError(f"--out {out}: inside {inside}, which the export reads from (a checkpoint holds only "
-                          f"its own files); give a directory outside it")
+        raise ExportError(f"--out {out}: inside {inside}, a run's checkpoints (they hold only what the run writes: "
+                          f"an export there makes them unusable); give a directory outside it")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: exists and is not a directory; give a new directory for the adapter")
     if out.is_dir():
@@ -100,8 +100,9 @@ def _inside_checkpoints(out: Path, checkpoint: Path | None) -> Path | None:
         ckpt = paths.absolute(checkpoint) if checkpoint is not None else None
     except (OSError, RuntimeError):
         return None  # check_out names what is wrong with the path itself
+    folder = ckpt.parent if ckpt is not None and paths.STEP.match(ckpt.name) and ckpt.is_dir() else None
     for p in [real, *real.parents]:
-        if ckpt is not None and p in (ckpt, ckpt.parent):
+        if ckpt is not None and p in (ckpt, folder):   # the checkpoint, its run's checkpoint folder
             return p
         if paths.STEP.match(p.name) and (p / paths.MANIFEST).is_file():
             return p

@@ -118,6 +118,10 @@ def os_error_text(e: BaseException) -> str:
     return getattr(e, "strerror", None) or str(e) or type(e).__name__
 
 
+class PathProblem(ConfigError):
+    """A path the OS refuses (ENAMETOOLONG, ELOOP, ...): `<key>: <path>: <what the OS said>`."""
+
+
 def path_problem(key: str, value: object) -> ConfigError | None:
     """A path key whose value the OS refuses as a path (a name too long, a symlink loop, ...): the
     one line naming the key, before anything reads or writes there."""
@@ -126,7 +130,7 @@ def path_problem(key: str, value: object) -> ConfigError | None:
     try:
         absolute(str(value)).exists()
     except OSError as e:
-        return ConfigError(key, f"{value}: {os_error_text(e)}")
+        return PathProblem(key, f"{value}: {os_error_text(e)}")
     return None
 
 

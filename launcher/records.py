@@ -262,8 +262,8 @@ def load(path: Path, record: Record, missing_ok: bool = False) -> dict | None:
     limit, kind, depth = _limit(record)
     try:
         data = bounded.read_bytes(path, limit, kind)
-    except RecordError:
-        if missing_ok and not Path(path).exists():
+    except bounded.FileMissing:
+        if missing_ok:
             return None
         raise
     return record.check(bounded.parse_json(data, path, depth), path)

@@ -25,6 +25,7 @@ loader (no torch): the launcher, the workers and the login node use it alike.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -55,6 +56,10 @@ class FileError(ConfigError):
         self.field = field
 
 
+class FileMissing(FileError):
+    """The file does not exist (a reader that polls for it tells this from a damaged one)."""
+
+
 def _why(e: OSError) -> str:
     return e.strerror or type(e).__name__
 
@@ -62,13 +67,15 @@ def _why(e: OSError) -> str:
 def read_bytes(path: Path | str, limit: int, kind: str = "file") -> bytes:
     """The bytes of `path`, refused (FileError) when it holds more than `limit` or cannot be read."""
     try:
-        with open(path, "rb") as f:
+        with io.open(path, "rb") as f:  # one open, no stat first: some files are polled every tick
             size = os.fstat(f.fileno()).st_size
             if size > limit:
                 raise FileError(path, "", f"{size:,} bytes, more than the {limit:,} read from a {kind}")
             data = f.read(limit + 1)
     except FileError:
         raise
+    except FileNotFoundError as e:
+        raise FileMissing(path, "", f"unreadable ({_why(e)})") from None
     except OSError as e:
         raise FileError(path, "", f"unreadable ({_why(e)})") from None
     if len(data) > limit:  # grew while it was read

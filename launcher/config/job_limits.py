@@ -13,6 +13,7 @@ the actors start (launcher.driver.start_check, which also holds the resume check
                      for the types vLLM scales: vllm/config/model.py _get_and_verify_max_len)
   the model's rope   what megatron-core and vLLM both compute (launcher.config.model_rules, which
                      also refuses parameters of the wrong type and values neither can build)
+  the tokenizer      a chat template where data.messages_key needs one (the driver's PromptEncoder)
   megatron's         the arguments of OptimizerParamScheduler (`scheduler_args`, which the trainer
   scheduler          builds it from) and the asserts of its constructor: decay steps > 0, warm-up
                      shorter than the decay, a WSD style needs WSD decay steps (not set here)
@@ -38,9 +39,51 @@ VLLM_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "se
 VLLM_UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
-def errors(cfg: Config) -> list[ConfigError]:
-    """What vLLM's engine, the rope and megatron's scheduler would refuse in the job; [] when nothing."""
-    return model_rules.errors(cfg.model, cfg.topology.device) + positions(cfg) + schedule_errors(cfg)
+def errors(cfg: Config, tokenizer: bool = True) -> list[ConfigError]:
+    """What vLLM's engine, the rope, megatron's scheduler and (`tokenizer`) the tokenizer would refuse in
+    the job (validate asks for the tokenizer's after the data file's own checks)."""
+    rules = model_rules.errors(cfg.model, cfg.topology.device)
+    if cfg.run.job != "grpo":  # placement_smoke, hold, preflight: no engine, no trainer, no prompts
+        return rules
+    return rules + positions(cfg) + schedule_errors(cfg) + (chat_template(cfg) if tokenizer else [])
+
+
+# ------------------------------------------------------------------------------- the tokenizer
+# where a tokenizer saved by transformers keeps its chat template (5.x: a file of its own; 4.x: the config)
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def has_chat_template(model_dir: Path) -> bool | None:
+    """Whether the tokenizer in `model_dir` has a chat template; None when the folder is not here."""
+    from launcher.config import bounded
+
+    if not model_dir.is_dir():
+        return None
+    if any((model_dir / f).is_file() for f in CHAT_TEMPLATE_FILES) or (model_dir / "additional_chat_templates").is_dir():
+        return True
+    config = model_dir / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    return bool(bounded.json_file(config, bounded.LIMITS["tokenizer"], "tokenizer", obj=True).get("chat_template"))
+
+
+def chat_template(cfg: Config) -> list[ConfigError]:
+    """data.messages_key encodes each record's messages with the tokenizer's chat template
+    (launcher.driver.data.PromptEncoder): the job refuses a tokenizer without one."""
+    if not cfg.data.messages_key or cfg.run.job != "grpo":
+        return []
+    why = None
+    if cfg.data.chat_template != "auto":
+        why = f"data.chat_template={cfg.data.chat_template} turns it off"
+    elif cfg.model.path is None:
+        why = f"the built-in model {cfg.model.builtin} has none"
+    elif has_chat_template(Path(cfg.model.path)) is False:
+        why = f"the tokenizer in {cfg.model.path} has none (no chat_template in tokenizer_config.json, no " \
+              f"{' or '.join(CHAT_TEMPLATE_FILES)})"
+    if why is None:
+        return []
+    return [ConfigError("data.messages_key", f"needs the tokenizer's chat template to encode the messages, and {why}; "
+                                             f"use data.prompt_key")]
 
 
 # ------------------------------------------------------------------------------- vLLM's context

@@ -52,9 +52,7 @@ def _finite(v) -> bool:
 
 
 def _rope(m: Model) -> list[tuple[str, str]]:
-    rope = m.rope_scaling
-    if m.rope_theta is not None and not (_finite(m.rope_theta) and m.rope_theta > 0):
-        return [("rope_theta", f"rope_theta must be a positive number, got {m.rope_theta!r}")]
+    rope = m.rope_scaling   # rope_theta > 0: its field's range (launcher.config.schema.Model)
     if not rope:
         return []
     kind = rope.get("rope_type")

@@ -24,14 +24,14 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs = ranges.check(cfg)  # every field's own range first: the rules below may assume them
     if errs:
         return errs
-    errs = plan_mod.check(cfg.topology)
-    errs += _paths(cfg)
-    if errs:  # a path the OS refuses (a name too long, a symlink loop): its line, before any reader meets it
-        return errs
+    path_errs = _paths(cfg)
+    if any(isinstance(e, paths.PathProblem) for e in path_errs):  # the OS refuses a path (a name too long, a
+        return path_errs                                          # symlink loop): before any reader meets it
+    errs = plan_mod.check(cfg.topology) + path_errs
     model_errs = _model(cfg, submitting)
     # what the job's components refuse when they start (vLLM's context, the rope, megatron's scheduler):
     # the job checks the same again before it starts (launcher.driver.start_check)
-    errs += model_errs or job_limits.errors(cfg)
+    errs += model_errs or job_limits.errors(cfg, tokenizer=False)
     errs += _parallel_vs_model(cfg)
     errs += _peft(cfg)
     errs += _refit_and_vllm(cfg)
@@ -276,7 +276,9 @@ def _data_and_reward(cfg: Config, submitting: bool) -> list[ConfigError]:
     if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens > room > 0:
         errs.append(ConfigError("data.max_prompt_tokens", f"must be at most max_total_sequence_length - "
                                                           f"max_new_tokens = {room}, got {cfg.data.max_prompt_tokens}"))
-    return errs + data.check(cfg.data, need_answer=cfg.reward.fn in rewards.BUILTIN, submitting=submitting)
+    data_errs = data.check(cfg.data, need_answer=cfg.reward.fn in rewards.BUILTIN, submitting=submitting)
+    # the tokenizer's chat template for data.messages_key (one of the job's limits), once the file has the field
+    return errs + (data_errs or job_limits.chat_template(cfg))
 
 
 def _slurm(cfg: Config) -> list[ConfigError]:

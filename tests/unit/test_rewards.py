@@ -279,3 +279,55 @@ def test_a_worker_killed_in_a_call_is_one_error_and_is_replaced(reward_file, tmp
         assert r.pool.workers[0].proc is not victim
     finally:
         r.close()
+
+
+ROUND_THREE = '''
+import sys
+
+def score(response, example):
+    kind = example["expected"]
+    if kind == "huge":
+        return 10 ** 400            # an int no float holds: float() raised OverflowError in the worker
+    if kind == "exit":
+        sys.exit(3)                 # a SystemExit ended the worker
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [1.0]
+    if kind == "bool":
+        return True
+    return 1
+'''
+
+
+def test_what_the_users_code_returns_or_raises_cannot_end_a_worker(tmp_path):
+    """Results that are not finite real numbers (an int too large for a float, None, a list) and a
+    sys.exit in the call are reward errors, scored 0 and counted; the worker stays up (the same
+    worker, 1 of them, scores the next record) and the run's output gets no traceback."""
+    path = tmp_path / "odd.py"
+    path.write_text(ROUND_THREE)
+    r = rewards.Rewards(Reward(fn=f"{path}:score", workers=1, timeout_s=5), "answer", tmp_path)
+    try:
+        assert r.score(["x"], examples(["one"])) == ([1.0], 0)
+        pid = r.pool.workers[0].proc.pid
+        got, errs = r.score(["x"] * 6, examples(["huge", "exit", "none", "list", "bool", "one"]))
+        assert r.pool.workers[0].proc.pid == pid
+    finally:
+        r.close()
+    assert (got, errs) == ([0.0, 0.0, 0.0, 0.0, 1.0, 1.0], 4)
+    assert (tmp_path / "logs" / "reward_errors.log").read_text().startswith(
+        f"reward.fn {path}:score on line 1 of q.jsonl: returned 1000000000")
+
+
+@pytest.mark.parametrize("value,ok", [(1, True), (0.5, True), (True, True), (10 ** 400, False), (float("nan"), False),
+                                      (float("inf"), False), ("1.0", False), (None, False), ([1.0], False)])
+def test_a_reward_is_a_finite_real_number(value, ok):
+    got, why = rewards.as_reward(value)
+    assert (got is not None, why == "") == (ok, ok)
+
+
+def test_a_reward_module_that_exits_at_import_is_one_line(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("raise SystemExit(3)\n")
+    assert errors(f"reward.fn={path}:score") == [f"reward.fn: cannot import {path}: it called sys.exit(3) "
+                                                 f"(SystemExit): a reward module must not exit"]
