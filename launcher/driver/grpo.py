@@ -141,7 +141,8 @@ class GrpoRun:
         """Load the checkpoint `+resume` names: (its step, the data position, the rollouts it holds)."""
         from launcher.driver import start_check
 
-        _, ckpt = start_check.resume(self.cfg, self.run_dir)  # what the launcher and the job's start checked
+        # what the launcher and the job's start checked (a retry of a finished run runs no step)
+        _, ckpt = start_check.resume(self.cfg, self.run_dir, finished_ok=True)
         info = ckpt.info()
         self.phase(progress.RESUME)
         restored = self.named_failures(self.trainers.load_state, str(ckpt.path / "trainer"))

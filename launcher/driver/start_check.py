@@ -38,15 +38,17 @@ def check(cfg: Config, run_dir: Path, resuming: bool = True):
     return resume(cfg, run_dir) if resuming and cfg.resume is not None else None
 
 
-def resume(cfg: Config, run_dir: Path):
-    """(manager, checkpoint) of `+resume`, every resume check passed; a one-line ConfigError otherwise."""
+def resume(cfg: Config, run_dir: Path, finished_ok: bool = False):
+    """(manager, checkpoint) of `+resume`, every resume check passed; a one-line ConfigError otherwise.
+    `finished_ok`: a checkpoint at the last step is no error (the driver restarting its own run
+    after a failure past its last checkpoint runs no step and finishes)."""
     from launcher.driver.checkpoints import CheckpointManager, check_compatible, nothing_left
 
     manager = CheckpointManager(paths.checkpoint_dirs(cfg, run_dir), cfg.checkpointing)
     ckpt = manager.resolve(cfg.resume)  # its files and records (checkpoints.verify)
     check_compatible(ckpt.path, cfg)
     saved = records.load_config(ckpt.path / paths.CONFIG, typed=True)  # verified: it reads
-    if nothing_left(cfg, ckpt.step):
+    if nothing_left(cfg, ckpt.step) and not finished_ok:
         raise ConfigError("grpo.max_num_steps", f"{ckpt.path} is at step {ckpt.step}: the run has done its "
                                                 f"{cfg.grpo.max_num_steps} steps; to train on, resume with "
                                                 f"{continue_hint(saved, cfg, ckpt.step)}")

@@ -79,6 +79,11 @@ CASES = [  # (name, overrides, setup, the start of the launcher's line after "er
      "data.messages_key: needs the tokenizer's chat template to encode the messages, and the built-in model "
      "tiny_llama has none; use data.prompt_key"),
     ("resume", ["run.name=a", "+resume=step_5"], _ckpt("a", 5), ""),
+    ("resume-other-lora", ["run.name=c", "+resume=step_5", "peft.alpha=64"], _ckpt("c", 5),
+     "resume: {root}/c/checkpoints/step_5 was written for peft.alpha="),
+    ("resume-damaged-record", ["run.name=d", "+resume=step_5"],
+     _ckpt("d", 5, info={"step": 5, "consumed_prompts": -1}),
+     "resume: {root}/d/checkpoints/step_5/training_info.json: consumed_prompts: must be an integer >= 0, got -1"),
     ("resume-other-schedule", ["run.name=s", "+resume=step_5", "grpo.max_num_steps=20"], _ckpt("s", 5),
      "grpo.max_num_steps: {root}/s/checkpoints/step_5 was trained with a learning-rate schedule of "
      "grpo.max_num_steps = 40, this run has 20: megatron's scheduler refuses to continue another schedule; resume "
