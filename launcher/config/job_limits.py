@@ -59,7 +59,8 @@ def has_chat_template(model_dir: Path) -> bool | None:
 
     if not model_dir.is_dir():
         return None
-    if any((model_dir / f).is_file() for f in CHAT_TEMPLATE_FILES) or (model_dir / "additional_chat_templates").is_dir():
+    if any((model_dir / f).is_file() for f in CHAT_TEMPLATE_FILES) \
+            or (model_dir / "additional_chat_templates").is_dir():
         return True
     config = model_dir / "tokenizer_config.json"
     if not config.is_file():
@@ -89,7 +90,8 @@ def chat_template(cfg: Config) -> list[ConfigError]:
 # ------------------------------------------------------------------------------- vLLM's context
 def model_positions(cfg: Config) -> tuple[float, str] | None:
     """(the longest context vLLM accepts for the run's model, where that comes from), or None when
-    the facts are not resolved (a dry run for a checkpoint elsewhere)."""
+    the facts are not resolved (a dry run for a checkpoint elsewhere); ConfigError('model.path') for
+    a length key that is not a number."""
     from launcher.config import bounded
 
     config_json = Path(cfg.model.path) / "config.json" if cfg.model.path else None
@@ -100,6 +102,10 @@ def model_positions(cfg: Config) -> tuple[float, str] | None:
         hf, where = {"max_position_embeddings": cfg.model.max_position_embeddings}, f"model {cfg.model.name}"
     else:
         return None
+    for k in VLLM_LENGTH_KEYS:  # vLLM compares each one given with a number (a string was a TypeError there)
+        if hf.get(k) is not None and _number(hf[k]) is None:
+            raise ConfigError("model.path", f"{where}: {k} must be a number (vLLM takes the model's context "
+                                            f"length from it), got {str(hf[k])[:40]!r}")
     found = [(hf[k], k) for k in VLLM_LENGTH_KEYS if _number(hf.get(k)) is not None]
     if isinstance(hf.get("model_max_length"), (int, float)) and not isinstance(hf["model_max_length"], bool) \
             and hf["model_max_length"]:
@@ -119,7 +125,10 @@ def _number(v: Any) -> float | None:
 
 
 def positions(cfg: Config) -> list[ConfigError]:
-    found = model_positions(cfg)
+    try:
+        found = model_positions(cfg)
+    except ConfigError as e:  # a length key of the wrong type, a config.json that no longer reads
+        return [e]
     if found is None or cfg.vllm.max_model_len <= found[0]:
         return []
     limit, where = found

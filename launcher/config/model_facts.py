@@ -141,14 +141,15 @@ def _hybrid_pattern(r: "_Reader") -> str:
     if pattern is not None:
         if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
             raise r.error("hybrid_override_pattern", f"must be a string of {''.join(HYBRID_SYMBOLS)} (one per "
-                                                     f"layer), got {pattern!r}")
+                                                     f"layer), got {_short(pattern)}")
         return pattern
     if blocks is None:
         raise r.error("hybrid_override_pattern", "is missing (a Nemotron-H config.json names its layers: "
                                                  "hybrid_override_pattern or layers_block_type)")
     if not isinstance(blocks, list) or not blocks or not all(isinstance(b, str) and b in _BLOCK_SYMBOLS
                                                              for b in blocks):
-        raise r.error("layers_block_type", f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, got {blocks!r}")
+        raise r.error("layers_block_type", f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, got "
+                                           f"{_short(blocks)}")
     return "".join(_BLOCK_SYMBOLS[b] for b in blocks)
 
 
@@ -226,7 +227,8 @@ def read_hf(hf: Mapping[str, Any], where: str) -> tuple[ModelFacts, list[str]]:
     family = reader.string("model_type")
     architectures = hf.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise ConfigError("model.path", f"{where}: architectures must be a list of strings, got {architectures!r}")
+        raise ConfigError("model.path", f"{where}: architectures must be a list of strings, got "
+                                        f"{_short(architectures)}")
     kind = FAMILY_FACTS.get(family, Family())
     heads = reader.positive("num_attention_heads")
     hidden = reader.positive("hidden_size")
@@ -260,17 +262,19 @@ def read_hf(hf: Mapping[str, Any], where: str) -> tuple[ModelFacts, list[str]]:
 
 def _rope(r: "_Reader", max_positions: Optional[int]) -> tuple[float, dict]:
     """(rope_theta, normalised rope scaling or {}) from either spelling of config.json."""
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5's spelling first; each an object or null
+        given = r.hf.get(key)
+        if given is not None and not isinstance(given, dict):
+            raise r.error(key, f"must be an object or null, got {_short(given)}")
     key = "rope_parameters" if isinstance(r.hf.get("rope_parameters"), dict) else "rope_scaling"
     given = r.hf.get(key)
-    if given is not None and not isinstance(given, dict):
-        raise r.error(key, f"must be an object or null, got {given!r}")
     params = dict(given or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     theta = params.pop("rope_theta", None)
     theta = float(r.number("rope_theta", default=10000.0) if theta is None else r.number(f"{key}.rope_theta", theta))
     if not isinstance(rope_type, str):
-        raise r.error(f"{key}.rope_type", f"must be a string, got {rope_type!r}")
+        raise r.error(f"{key}.rope_type", f"must be a string, got {_short(rope_type)}")
     if rope_type == "default":
         return theta, {}
     out: dict[str, Any] = {"rope_type": rope_type}
@@ -287,6 +291,11 @@ def _rope(r: "_Reader", max_positions: Optional[int]) -> tuple[float, dict]:
     return theta, out
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class _Reader:
     def __init__(self, hf: Mapping[str, Any], where: str):
         self.hf, self.where = hf, where
@@ -299,7 +308,7 @@ class _Reader:
         if value is None:
             raise self.error(key, "is missing (a transformers config.json names its model_type)")
         if not isinstance(value, str) or not value:
-            raise self.error(key, f"must be a non-empty string, got {value!r}")
+            raise self.error(key, f"must be a non-empty string, got {_short(value)}")
         return value
 
     def positive(self, key: str, default: Optional[int] = None) -> int:
@@ -309,7 +318,7 @@ class _Reader:
                 raise self.error(key, "is missing")
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise self.error(key, f"must be a positive integer, got {value!r}")
+            raise self.error(key, f"must be a positive integer, got {_short(value)}")
         return value
 
     def flag(self, key: str, default: bool) -> bool:
@@ -317,7 +326,7 @@ class _Reader:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise self.error(key, f"must be true or false, got {value!r}")
+            raise self.error(key, f"must be true or false, got {_short(value)}")
         return value
 
     def number(self, key: str, value: Any = None, default: Optional[float] = None) -> float:
@@ -325,7 +334,7 @@ class _Reader:
         if value is None:
             return default  # type: ignore[return-value]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(key, f"must be a number, got {value!r}")
+            raise self.error(key, f"must be a number, got {_short(value)}")
         return value
 
     def int_list(self, key: str) -> list[int]:
@@ -333,7 +342,7 @@ class _Reader:
         if value is None:
             return []
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise self.error(key, f"must be a list of integers, got {value!r}")
+            raise self.error(key, f"must be a list of integers, got {_short(value)}")
         return value
 
     def count(self, key: str, default: int = 0) -> int:
@@ -342,7 +351,7 @@ class _Reader:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self.error(key, f"must be an integer >= 0, got {value!r}")
+            raise self.error(key, f"must be an integer >= 0, got {_short(value)}")
         return value
 
     def first_count(self, keys: tuple[str, ...]) -> int:
@@ -352,7 +361,7 @@ class _Reader:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise self.error(key, f"must be an integer >= 0, got {value!r}")
+                raise self.error(key, f"must be an integer >= 0, got {_short(value)}")
             return value
         return 0
 

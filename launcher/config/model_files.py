@@ -10,10 +10,11 @@ Every file is read with the one bounded reader (launcher.config.bounded). Each w
 checked to be a whole safetensors file from its header alone (8 bytes of length, a JSON header
 whose every entry has a known dtype, a shape and data offsets of that size, data up to the last
 tensor's end offset): a file cut short by a download is named; no tensor is read, so this costs
-milliseconds on a model of any size. Every tokenizer file there is read whole and parsed as what it
-is (tokenizer.json, tokenizer_config.json, vocab.json: JSON objects; merges.txt, vocab.txt,
-*.tiktoken: UTF-8 text; tokenizer.model: a whole protobuf message), so one cut in half is named
-too.
+milliseconds on a model of any size. Every tokenizer file there, and every other JSON file
+(generation_config.json, chat_template.json, ...: transformers and vLLM read them when the job
+starts), is read whole and parsed as what it is (JSON objects where transformers expects one;
+merges.txt, vocab.txt, *.tiktoken, *.jinja: UTF-8 text; tokenizer.model: a whole protobuf
+message), so one cut in half is named too.
 `problem(path)` is one line (what is missing, where) or None; validate.py turns it into the
 `model.path` error of a submission and the note of a dry run, the preflight into a node's problem.
 """
@@ -33,6 +34,9 @@ TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "me
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                   "vocab.json")
 TOKENIZER_TEXT = ("merges.txt", "vocab.txt")
+# other JSON files of a model folder that transformers or vLLM read as an object when they are there
+OBJECT_JSON = ("config.json", "generation_config.json", "chat_template.json", "preprocessor_config.json",
+               "processor_config.json")
 
 
 def problem(path: str | Path) -> str | None:
@@ -95,15 +99,24 @@ def _tokenizer(path: Path) -> str | None:
 
 
 def _tokenizer_file(f: Path) -> str | None:
-    """One tokenizer file read whole as what it is; None when it is not one or it is whole."""
+    """One file of the model folder read whole as what it is (launcher.config.bounded); None when it
+    is whole or not one the job reads: every `*.json` (the tokenizer's, generation_config.json,
+    chat_template.json, ...: transformers and vLLM parse each one there when the job starts) and the
+    tokenizer's text and sentencepiece files."""
     limit = bounded.LIMITS["tokenizer"]
     try:
-        if f.name in TOKENIZER_JSON:
+        if f.name == INDEX:
+            return None  # _weights read it
+        if f.name in TOKENIZER_JSON or f.name in OBJECT_JSON:
             bounded.json_file(f, limit, "tokenizer", obj=True)
-        elif f.name in TOKENIZER_TEXT or f.suffix == ".tiktoken":
+        elif f.suffix == ".json":
+            bounded.json_file(f, limit, "model file")
+        elif f.name in TOKENIZER_TEXT or f.suffix in (".tiktoken", ".jinja"):
             bounded.read_text(f, limit, "tokenizer")
         elif f.name == "tokenizer.model":
             bounded.protobuf_message(bounded.read_bytes(f, limit, "tokenizer"), f)
     except bounded.FileError as e:
-        return f"{e} (a tokenizer file cut short or damaged: the run could not encode its prompts)"
+        what = "a tokenizer file" if f.name in TOKENIZER_JSON + TOKENIZER_TEXT or f.suffix == ".tiktoken" \
+            or f.name == "tokenizer.model" else "a file of the model"
+        return f"{e} ({what} cut short or damaged: the run could not read it when it starts)"
     return None

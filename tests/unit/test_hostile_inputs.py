@@ -387,7 +387,8 @@ CASES = [
            f"model.path: {{sandbox}}/models/{name}{message}", setup=setup(name))
       for name, setup, message in [
           ("header-text-offsets", lambda n: _forged_model(n, _header(
-              b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [255, 128], "data_offsets": ["0", "130560"]}}')),
+              b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [255, 128], '
+              b'"data_offsets": ["0", "130560"]}}')),
            "/model.safetensors: tensor 'model.embed_tokens.weight': data_offsets must be two integers"),
           ("header-deep", lambda n: _forged_model(n, _header(b'{"__metadata__": ' + b"[" * 100000 + b"]" * 100000
                                                              + b"}")),
@@ -426,6 +427,20 @@ CASES = [
           ("rope-attention-factor-list", lambda n: _model(n, extra={"config.json": _rope({
               "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "attention_factor": [1]})}),
            "/config.json: rope_scaling.attention_factor must be a finite number, got [1]"),
+          ("rope-parameters-a-list", lambda n: _model(n, extra={"config.json": json.dumps(
+              {**TINY_LLAMA, "rope_parameters": [10000.0, 2.0]})}),
+           "/config.json: rope_parameters must be an object or null, got [10000.0, 2.0]"),
+          ("length-key-a-string", lambda n: _model(n, extra={"config.json": json.dumps(
+              {**TINY_LLAMA, "model_max_length": "2048"})}),
+           "/config.json: model_max_length must be a number (vLLM takes the model's context length from it), "
+           "got '2048'"),
+          ("generation-config-cut", lambda n: _model(n, extra={"generation_config.json": '{"temperature": '}),
+           "/generation_config.json: not valid JSON"),
+          ("chat-template-json-cut", lambda n: _model(n, extra={"chat_template.json": '{"chat_template": "{{'}),
+           "/chat_template.json: not valid JSON"),
+          ("chat-template-jinja-not-text", lambda n: _forged_model(
+              n, lambda d: (d / "chat_template.jinja").write_bytes(b"{{ messages \xff\xfe")),
+           "/chat_template.jinja: not UTF-8 text"),
       ]],
     Case("model-rope-theta-zero", ["model.path={sandbox}/models/t0", *SLURM, "submit=false"], 2,
          "model.rope_theta: must be more than 0 or null, got 0.0",

@@ -136,10 +136,10 @@ with set_current_vllm_config(VllmConfig()):
         except Exception:
             out["rope"].append(False)
 for hf, max_len in cases["positions"]:
-    config = LlamaConfig(**hf)
-    arch = types.SimpleNamespace(derived_max_model_len_and_key=ModelArchConfigConvertorBase(
-        config, config).derive_max_model_len_and_key())
-    try:
+    try:  # the engine's start: the derivation, then the check of vllm.max_model_len against it
+        config = LlamaConfig(**hf)
+        arch = types.SimpleNamespace(derived_max_model_len_and_key=ModelArchConfigConvertorBase(
+            config, config).derive_max_model_len_and_key())
         _get_and_verify_max_len(config, arch, None, max_len, False, None)
         out["positions"].append(True)
     except Exception:
@@ -176,6 +176,8 @@ POSITIONS = [
     ({"max_position_embeddings": 4096, "model_max_length": 2048}, 3000),
     ({"max_position_embeddings": 2048, "seq_length": 1024}, 1500),
     ({"max_position_embeddings": 2048, "max_sequence_length": 4096}, 2048),
+    ({"max_position_embeddings": 1024, "model_max_length": "2048"}, 512),   # a length key vLLM cannot compare
+    ({"max_position_embeddings": 1024, "seq_len": [2048]}, 512),
 ]
 
 
@@ -228,4 +230,4 @@ def test_the_context_the_launcher_accepts_is_one_vllm_accepts(vllm_says, tmp_pat
         (d / "config.json").write_text(json.dumps({**_hf(keys), "architectures": ["LlamaForCausalLM"]}))
         cfg = typed(compose([f"model.path={d}", f"grpo.max_total_sequence_length={n}"]))
         assert (not job_limits.positions(cfg)) == accepted, (keys, n)
-    assert vllm_says["positions"] == [True, False, True, False, False, True]
+    assert vllm_says["positions"] == [True, False, True, False, False, True, False, False]

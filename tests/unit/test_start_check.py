@@ -74,6 +74,10 @@ CASES = [  # (name, overrides, setup, the start of the launcher's line after "er
      _rope_model("rl", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": [1.0], "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}),
      "model.path: {sandbox}/models/rl/config.json: rope_scaling.low_freq_factor must be a finite number, got [1.0]"),
+    ("length-key-not-a-number", ["model.path={sandbox}/models/ml"],
+     _model("ml", extra={"config.json": json.dumps({**TINY_LLAMA, "max_seq_len": "4k"})}),
+     "model.path: {sandbox}/models/ml/config.json: max_seq_len must be a number (vLLM takes the model's context "
+     "length from it), got '4k'"),
     ("messages-without-a-chat-template", ["data.train={sandbox}/m.jsonl", "data.messages_key=messages",
                                           "reward.fn=exact_match"], _messages,
      "data.messages_key: needs the tokenizer's chat template to encode the messages, and the built-in model "
