@@ -2,9 +2,10 @@
 
 `reward.fn` is a built-in (below), `pkg.module:function`, or `path/to/file.py:function`. A file is
 copied into `RUN/reward/` at submission and loaded from there, so a requeued job runs the same
-code. The user's code cannot end the launcher or a reward worker: importing it and calling it catch
-every exception, `SystemExit` included (an import that exits is one line naming the file; Ctrl-C
-still interrupts). Calls run in `reward.workers` worker processes (launcher.driver.reward_pool)
+code. The user's code cannot end the launcher or a reward worker: at submission it is imported in
+a child process (`probe`: an import that exits, crashes or hangs is one line naming the file, and
+the launcher goes on), and importing it and calling it catch every exception, `SystemExit`
+included (Ctrl-C still interrupts). Calls run in `reward.workers` worker processes (launcher.driver.reward_pool)
 with a per-call timeout; an exception, a timeout, or a result that is not a finite real number (a
 string, an integer too large for a float, NaN) gives 0 for that sample with
 `reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or stops the
@@ -205,11 +206,77 @@ def check(r: Reward, submitting: bool) -> list[ConfigError]:
     src = file_part(r.fn)
     if src is not None and not src.exists() and not submitting:
         return errs  # a dry run may plan for a filesystem this machine does not see
+    if r.fn in BUILTIN:
+        return errs
+    err = probe(r.fn)
+    return errs + ([err] if err is not None else [])
+
+
+# ---------------------------------------------------------------------------- loading it at submission
+IMPORT_TIMEOUT_S = 120.0   # what importing the user's module at submission may take
+
+
+def probe(spec: str, timeout_s: float = IMPORT_TIMEOUT_S) -> ConfigError | None:
+    """`load(spec)` in a child process (`python -m launcher.driver.rewards`, with this process's cwd
+    and sys.path): the user's module runs its import there, so nothing it does (sys.exit,
+    os._exit, a crash, a hang, a thread left running) can end or stop the launcher. The
+    ConfigError `load` gives, one for a child that ended without an answer or took longer than
+    `timeout_s`, or None."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    where = file_part(spec) or spec.partition(":")[0]
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.driver.rewards"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        load(r.fn)
+        out, err = proc.communicate(json.dumps({"spec": spec, "path": sys.path}), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return ConfigError("reward.fn", f"importing {where} took more than {timeout_s:g} s (stopped): a reward module "
+                                        f"must not block at import")
+    finally:  # its process group: whatever the module started goes with it (Ctrl-C here included)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    answer = out.rpartition(_ANSWER)[2].strip() if _ANSWER in out else ""
+    if answer:
+        got = json.loads(answer)
+        return None if got is None else ConfigError(got[0], got[1])
+    how = f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else \
+        f"exit code {proc.returncode}"
+    last = next((line.strip() for line in reversed(err.splitlines()) if line.strip()), "")
+    return ConfigError("reward.fn", f"importing {where} ended its process ({how}) before it was loaded"
+                                    f"{f' ({last[:200]})' if last else ''}: a reward module must not exit or crash "
+                                    f"at import")
+
+
+_ANSWER = "\n@@reward-probe@@ "
+
+
+def _probe_main() -> None:
+    """The child of `probe`: load the spec given on stdin, answer on stdout after a marker (the module's
+    own output goes to stderr), and end at once (no exit handler or thread of the module runs)."""
+    import json
+    import os
+
+    request = json.loads(sys.stdin.read())
+    sys.path[:] = request["path"]
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        load(request["spec"])
+        got = None
     except ConfigError as e:
-        errs.append(e)
-    return errs
+        got = [e.key, e.message]
+    except BaseException as e:  # noqa: BLE001 - the module's own KeyboardInterrupt (load passes it on)
+        got = ["reward.fn", f"cannot import {file_part(request['spec']) or request['spec']}: {_what(e)}"]
+    answer.write(_ANSWER + json.dumps(got) + "\n")
+    answer.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------- calling it
@@ -280,3 +347,7 @@ class Rewards:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+if __name__ == "__main__":  # launcher.driver.rewards.probe's child
+    _probe_main()

@@ -467,6 +467,10 @@ CASES = [
     Case("reward-raises-a-base-exception-at-import", ["reward.fn={sandbox}/gen.py:score", "submit=false"], 2,
          "reward.fn: cannot import {sandbox}/gen.py: GeneratorExit",
          setup=_file("gen.py", "raise GeneratorExit\n")),
+    Case("reward-ends-its-process-at-import", ["reward.fn={sandbox}/ends.py:score", "submit=false"], 2,
+         "reward.fn: importing {sandbox}/ends.py ended its process (exit code 0) before it was loaded: a reward "
+         "module must not exit or crash at import",
+         setup=_file("ends.py", "import os\nos._exit(0)\n")),
     *[Case(f"forged-checkpoint-{name}", ["run.name=k", "+resume=latest", *SLURM, "submit=false"], 2,
            "resume: {root}/k/checkpoints/step_5/" + message, setup=_ckpt_files("k", edit))
       for name, edit, message in [

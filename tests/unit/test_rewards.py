@@ -331,3 +331,24 @@ def test_a_reward_module_that_exits_at_import_is_one_line(tmp_path):
     path.write_text("raise SystemExit(3)\n")
     assert errors(f"reward.fn={path}:score") == [f"reward.fn: cannot import {path}: it called sys.exit(3) "
                                                  f"(SystemExit): a reward module must not exit"]
+
+
+@pytest.mark.parametrize("code,message", [
+    ("import os\nos._exit(0)\n", "ended its process (exit code 0) before it was loaded"),
+    ("import ctypes\nctypes.string_at(0)\n", "ended its process (signal SIGSEGV) before it was loaded"),
+    ("import time\nwhile True:\n    time.sleep(0.1)\n",
+     "took more than 3 s (stopped): a reward module must not block"),
+    ("import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\nprint('hi')\n"
+     "def score(response, example):\n    return 1.0\n", None),
+])
+def test_the_users_module_is_imported_at_submission_in_a_process_of_its_own(tmp_path, code, message):
+    """Whatever the module does when it is imported (ends its process, crashes, blocks, leaves a thread
+    running) the launcher goes on and says so in one line naming the file; a good module passes and
+    leaves nothing behind (its thread ended with its process)."""
+    path = tmp_path / "mod.py"
+    path.write_text(code)
+    err = rewards.probe(f"{path}:score", timeout_s=3)
+    if message is None:
+        assert err is None
+        return
+    assert str(err).startswith(f"reward.fn: importing {path} ") and message in str(err), err
