@@ -12,6 +12,7 @@ words it meant and nothing else run.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 
@@ -23,3 +24,29 @@ def command(*words: object) -> str:
 def assignment(name: str, value: object) -> str:
     """`NAME=value` for an environment variable, the value quoted."""
     return f"{name}={shlex.quote(str(value))}"
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./+-]+$")
+_BEFORE_QUOTE = re.compile(r"(\\+)(?='|$)")   # backslashes Hydra reads as escapes: before a quote or at the end
+
+
+def override(key: str, value: object) -> str:
+    """`key=value` as a Hydra override to paste onto a command line: one shell word. A value that is
+    not a plain word (or reads as null, a boolean or a number) is put in Hydra's single quotes, its
+    quotes, the backslashes before them and `${` escaped, so Hydra and OmegaConf give back the value
+    itself. A hint that names a value read from a file (a run's checkpointing.dir) is built here."""
+    if value is None:
+        return shlex.quote(f"{key}=null")
+    text = str(value)
+    if not _PLAIN.match(text) or text.lower() in ("null", "true", "false") or _number(text):
+        text = _BEFORE_QUOTE.sub(lambda m: m.group(1) * 2, text).replace("'", "\\'").replace("${", "\\${")
+        text = f"'{text}'"
+    return shlex.quote(f"{key}={text}")
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

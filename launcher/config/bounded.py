@@ -10,6 +10,7 @@ here, and only here:
 
   read_bytes / read_text   at most `limit` bytes (a bigger file is refused before it is read)
   parse_json / json_file   JSON without NaN/Infinity, at most `depth` levels of nesting
+  jsonl_objects            the whole JSON objects of a JSONL file being appended to (others skipped)
   parse_yaml / yaml_file   YAML with the safe loader, without aliases (`*a`, `<<: *a`: this
                            launcher writes none), at most `nodes` nodes and `depth` levels
   safetensors_header       the 8-byte length and the JSON header of a safetensors file, every
@@ -133,6 +134,27 @@ def json_file(path: Path | str, limit: int = LIMITS["record"], kind: str = "reco
     if obj and not isinstance(value, dict):
         raise FileError(path, "", f"must hold a JSON object, got {type(value).__name__}")
     return value
+
+
+def jsonl_objects(path: Path | str, limit: int = LIMITS["log"], kind: str = "log", depth: int = 8) -> list[dict]:
+    """The JSON objects of a JSONL file that is appended to while it is read (metrics.jsonl): a line
+    that is not a whole JSON object within `depth` (one being written, one edited by hand) is
+    skipped; none when the file does not exist. The file's size is bounded like every other."""
+    try:
+        text = read_text(path, limit, kind)
+    except FileMissing:
+        return []
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = parse_json(line, path, depth)
+        except FileError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 # ----------------------------------------------------------------------------------------- YAML

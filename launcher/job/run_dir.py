@@ -38,17 +38,24 @@ def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
 
 
 def active_job(run_dir: Path) -> tuple[str, str] | None:
-    """(job id, state) of a job recorded in submissions.jsonl that is still queued or running."""
+    """(job id, state) of a job recorded in submissions.jsonl that is still queued or running. The
+    record is read with the bounded reader (a line that is not a submission is skipped: it names no
+    job; the record's own checks are launcher.records')."""
+    from launcher.config import bounded
+
     try:
-        lines = (run_dir / paths.SUBMISSIONS).read_text().splitlines()[-5:]
-    except OSError:
+        lines = bounded.read_text(run_dir / paths.SUBMISSIONS, bounded.LIMITS["log"], "log").splitlines()[-5:]
+    except bounded.FileError:
         return None
     ids = []
     for line in lines:
         try:
-            ids.append(str(json.loads(line)["job_id"]))
-        except (ValueError, KeyError, TypeError):
+            row = bounded.parse_json(line, run_dir / paths.SUBMISSIONS, depth=8)
+        except bounded.FileError:
             continue
+        job = row.get("job_id") if isinstance(row, dict) else None
+        if isinstance(job, (str, int)) and not isinstance(job, bool) and str(job).strip():
+            ids.append(str(job))
     for job in reversed(dict.fromkeys(ids)):
         listed = slurm_job.queued(job)
         if listed is not None and listed[0] not in slurm_job.FINISHED:  # still owns the run dir
@@ -65,17 +72,21 @@ def _claim(cfg: Config, run_dir: Path, ckpts: Path) -> None:
                                       f"or use run.name=<new name>")
     saved = run_dir / paths.CONFIG
     if cfg.resume is None and saved.is_file():
-        try:
-            before = (OmegaConf.load(saved).get("checkpointing") or {}).get("dir")
-        except Exception:  # noqa: BLE001 - an unreadable old config: the checks below still hold
+        from launcher.config import bounded
+
+        try:  # the bounded reader: a config.yaml of nested aliases hung here
+            before = ((bounded.yaml_file(saved) or {}).get("checkpointing") or {}).get("dir")
+        except (bounded.FileError, AttributeError):  # an unreadable old config: the checks below still hold
             return
+        if before is not None and (not isinstance(before, str) or paths.path_error("checkpointing.dir", before)):
+            return  # not a path this launcher writes: nothing of it is used or printed
         old = paths.absolute(before) if before else run_dir / "checkpoints"
         steps = sorted(p.name for p in old.glob("step_*")) if old != ckpts and old.is_dir() else []
         if steps:
             raise ConfigError("checkpointing.dir", f"{run_dir} is a run whose checkpoints are in {old} "
-                                                   f"({', '.join(steps[-3:])}); continue it with checkpointing.dir="
-                                                   f"{before or 'null'} +resume=latest, or start fresh with "
-                                                   f"run.name=<new name>")
+                                                   f"({', '.join(steps[-3:])}); continue it with "
+                                                   f"{shell.override('checkpointing.dir', before)} +resume=latest, or "
+                                                   f"start fresh with run.name=<new name>")
 
 
 IN_USE = paths.IN_USE  # flock'ed by the process of a local run while it lives (see hold)
@@ -102,10 +113,13 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
-            who = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        except ValueError:
+        from launcher.config import bounded
+
+        try:  # written by the run holding the lock: 4 KiB at most, an object of three fields
+            who = bounded.parse_json(os.pread(fd, 4096, 0) or b"{}", path, depth=2)
+        except bounded.FileError:
             who = {}
+        who = who if isinstance(who, dict) else {}
         os.close(fd)
         raise ConfigError("run.name", f"{run_dir} is in use by a run on this machine (pid {who.get('pid', '?')} on "
                                       f"{who.get('host', '?')}, started {who.get('time', '?')}); wait for it, stop "

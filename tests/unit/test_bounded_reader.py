@@ -5,6 +5,8 @@ the exporter) are in tests/unit/test_hostile_inputs.py and tests/unit/test_expor
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from launcher.config import bounded
@@ -80,3 +82,27 @@ def test_a_real_sentencepiece_model_is_a_whole_protobuf_message_and_its_halves_a
         except bounded.FileError:
             refused += 1
     assert refused >= len(cut) - 2   # only a cut exactly between two top-level fields reads as whole
+
+
+def test_a_jsonl_being_appended_to_gives_its_whole_objects(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    assert bounded.jsonl_objects(f) == []
+    f.write_text('{"step": 1}\n' + "[" * 5000 + "]" * 5000 + '\n[1, 2]\n{"step": NaN}\n\n{"step": 2}\n{"step": 3, "x"')
+    assert bounded.jsonl_objects(f) == [{"step": 1}, {"step": 2}]
+    with pytest.raises(bounded.FileError, match="more than the 10 read from a log"):
+        bounded.jsonl_objects(f, limit=10)
+
+
+def test_status_reads_a_run_directorys_records_with_limits(sandbox, capsys):
+    """`launcher.status` on a run directory someone else can write (a shared filesystem): a metrics line
+    nested past any limit or that is not an object is skipped, not a traceback."""
+    from launcher import __main__ as cli
+    from launcher import status
+
+    assert cli.main(["topology=slurm_3n", "submit=false", f"run.root={sandbox / 'runs'}", "run.name=s"]) == 0
+    run = sandbox / "runs" / "s"
+    (run / "metrics.jsonl").write_text('{"step": 1, "train/reward": 0.25}\n' + "[" * 5000 + "]" * 5000 + "\n[3]\n")
+    capsys.readouterr()
+    assert status.main([str(run), "--json"]) == 0, capsys.readouterr().err
+    (info,) = json.loads(capsys.readouterr().out)
+    assert info["step"] == 1

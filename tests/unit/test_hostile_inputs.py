@@ -192,6 +192,7 @@ def _append_bomb(ckpt: Path) -> None:
 
 def _file(name: str, text: str) -> Callable[[Path], None]:
     def setup(sandbox: Path) -> None:
+        (sandbox / name).parent.mkdir(parents=True, exist_ok=True)
         (sandbox / name).write_text(text)
     return setup
 
@@ -471,6 +472,11 @@ CASES = [
          "reward.fn: importing {sandbox}/ends.py ended its process (exit code 0) before it was loaded: a reward "
          "module must not exit or crash at import",
          setup=_file("ends.py", "import os\nos._exit(0)\n")),
+    # records of a run directory read with limits: a fresh submission over them goes on (no hang, no traceback)
+    Case("run-dir-config-of-aliases", ["run.name=y", *SLURM, "submit=false"], 0, "",
+         setup=_file("runs/y/config.yaml", "checkpointing:\n  dir: null\n" + _BOMB)),
+    Case("run-dir-submissions-deep", ["run.name=z", *SLURM, "submit=false"], 0, "",
+         setup=_file("runs/z/submissions.jsonl", "[" * 5000 + "]" * 5000 + "\n")),
     *[Case(f"forged-checkpoint-{name}", ["run.name=k", "+resume=latest", *SLURM, "submit=false"], 2,
            "resume: {root}/k/checkpoints/step_5/" + message, setup=_ckpt_files("k", edit))
       for name, edit, message in [

@@ -30,7 +30,8 @@ def paste(command: str, tmp: Path) -> list[list[str]]:
     rec.mkdir(exist_ok=True)
     recorder = "".join(
         f"{name}() {{ n=$((n+1)); printf '%s\\0' {name} "
-        + ('"env:RAY_AUTH_MODE=$RAY_AUTH_MODE" "env:RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH" ' if name == "ray" else "")
+        + ('"env:RAY_AUTH_MODE=$RAY_AUTH_MODE" "env:RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH" '
+           if name == "ray" else "")
         + f'"$@" > {shlex.quote(str(rec))}/$n; }}\n' for name in PROGRAMS)
     p = subprocess.run(["bash", "-c", f"n=0\n{recorder}{command}\n"], cwd=tmp, capture_output=True, text=True,
                        timeout=60)
@@ -123,3 +124,36 @@ def test_the_exporters_serve_line(sandbox, root, tiny_model, capsys):
     command = capsys.readouterr().out.strip().splitlines()[-1]
     assert paste(command, sandbox) == [["vllm", "serve", str(base), "--enable-lora", "--lora-modules",
                                         f"served-step1={out}", "--max-lora-rank", "8"]]
+
+
+def test_the_stop_commands_follow_line(sandbox, root, capsys):
+    """`launcher.stop --no-wait` names the status command to follow the run with."""
+    import os
+
+    from launcher import files, stop
+
+    assert cli.main([f"run.root={hydra(root)}", "run.name=l", "submit=false"]) == 0
+    run = root / "l"
+    files.make_dir(run / "ray" / f"local-{os.getpid()}.0")  # a local run whose process (this one) lives
+    capsys.readouterr()
+    assert stop.main([str(run), "--no-wait"]) == 0, capsys.readouterr().err
+    assert paste(after(capsys.readouterr().out, "follow it: "), sandbox) == [
+        ["python", "-m", "launcher.status", str(run), "--watch"]]
+
+
+def test_a_hint_that_names_a_value_read_from_a_run_directory(sandbox, root, capsys):
+    """A run directory whose config.yaml keeps its checkpoints elsewhere: the refusal's hint names that
+    folder (read from the file) as an override to paste. Pasted, it is one word that Hydra reads back
+    as the folder itself, whatever the folder's name holds."""
+    from launcher.config.compose import compose
+
+    elsewhere = sandbox / HOSTILE / "ckpts"
+    assert cli.main(["topology=slurm_3n", f"run.root={hydra(root)}", "run.name=h", "submit=false",
+                     f"checkpointing.dir={hydra(elsewhere)}"]) == 0
+    (elsewhere / "step_1").mkdir()   # the run has written a checkpoint there
+    capsys.readouterr()
+    assert cli.main(["topology=slurm_3n", f"run.root={hydra(root)}", "run.name=h", "submit=false"]) == 2
+    err = capsys.readouterr().err
+    ((program, *words),) = paste("python " + after(err, "continue it with ", ", or start fresh"), sandbox)
+    assert (program, words[1:]) == ("python", ["+resume=latest"]), words
+    assert compose([words[0]]).checkpointing.dir == str(elsewhere)
