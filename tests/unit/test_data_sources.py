@@ -82,6 +82,15 @@ def test_unreadable_file_names_it(files):
     assert err.startswith(f"data.train: cannot read {files['dir']}/broken.jsonl as json: ") and "\n" not in err
 
 
+def test_an_unreadable_file_is_the_only_line_on_stderr(files, tmp_path, capfd):
+    """HF datasets logs its own 'Failed to load JSON' line for a cut file: ours is the one line."""
+    broken = files["dir"] / "broken.jsonl"
+    assert main([f"run.root={tmp_path / 'runs'}", f"data.train={broken}", "data.prompt_key=question",
+                 "reward.fn=exact_match"]) == 2
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith(f"error: data.train: cannot read {broken} as json: "), line
+
+
 def test_a_user_reward_needs_no_answer_field(files, tmp_path):
     reward = tmp_path / "r.py"
     reward.write_text("def score(response, example):\n    return float(example['question'] in response)\n")
