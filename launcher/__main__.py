@@ -371,7 +371,8 @@ def _submit(cfg, plan, run_dir: Path) -> int:
     print(f"submitted job {job_id} ({len(plan.nodes)} nodes) for run {cfg.run.name}")
     print(f"  run directory: {run_dir}")
     print(f"  follow the driver: {shell.command('tail', '-F', log)}")
-    print(f"  Ray logs per node: {run_dir}/logs/   status: {shell.command('python', '-m', 'launcher.status', run_dir)}")
+    status = shell.command('python', '-m', 'launcher.status', run_dir)
+    print(f"  Ray logs per node: {run_dir}/logs/   status: {status}")
     print(f"  stop after a checkpoint: {shell.command('python', '-m', 'launcher.stop', run_dir)}   cancel now: "
           f"{shell.command('scancel', job_id)}")
     return 0

@@ -4,10 +4,11 @@ A record read back is input like any other: a checkpoint copied from a colleague
 on a shared filesystem, a line edited by hand, a file cut short by a full disk. Each record has one
 schema here (the keys, their types and ranges); `load` / `load_lines` read it through the one
 bounded reader (launcher.config.bounded: a size limit per kind, no NaN or Infinity, a depth limit)
-and check it, and a failure is one `RecordError` naming the file (and line) and the key: a ConfigError, so every command ends it in one line with exit code 2, and the
-job meets it before Ray and the actors start. Rules that tie records together live with the
-reader that has them all (a checkpoint's step: its folder's N, its training_info.json and its
-trainer state agree, in `launcher.driver.checkpoints.verify`).
+and check it, and a failure is one `RecordError` naming the file (and line) and the key: a
+ConfigError, so every command ends it in one line with exit code 2, and the job meets it before
+Ray and the actors start. Rules that tie records together live with the reader that has them all
+(a checkpoint's step: its folder's N, its training_info.json and its trainer state agree, in
+`launcher.driver.checkpoints.verify`).
 
 The saved config.yaml (a run's and every checkpoint's) has the config's own schema:
 `load_config` reads it with the bounded safe YAML loader (a python tag, an alias or a file too big

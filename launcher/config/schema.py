@@ -404,8 +404,8 @@ class Refit:
     bucket_mb: int = knob(256, Range(1, None), "MiB per transfer bucket")
     transport: str = knob("auto", OneOf(REFIT_TRANSPORTS), "auto: nccl on cuda, ray on cpu "
                                                            "(workers.refit.control)")
-    timeout_s: float = knob(600.0, Range(1, MAX_SECONDS), "seconds the broadcast group's collectives may take (trainer "
-                                                   "rank 0 and every vLLM worker)")
+    timeout_s: float = knob(600.0, Range(1, MAX_SECONDS), "seconds the broadcast group's collectives may take "
+                                                          "(trainer rank 0 and every vLLM worker)")
 
 
 @dataclass

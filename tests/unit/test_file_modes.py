@@ -159,8 +159,8 @@ def test_a_run_directory_that_is_a_link_gets_the_policy_on_the_folder_it_leads_t
     world.chmod(0o777)
     (sandbox / "runs").mkdir()
     (sandbox / "runs" / "lnk").symlink_to(world)
-    assert cli.main([*SLURM, "submit=false", f"run.root={sandbox / 'runs'}", "run.name=lnk", flag(shared), SECRET]) == 0, \
-        capsys.readouterr().err
+    rc = cli.main([*SLURM, "submit=false", f"run.root={sandbox / 'runs'}", "run.name=lnk", flag(shared), SECRET])
+    assert rc == 0, capsys.readouterr().err
     assert {"checkpoints", "config.yaml", "logs", "ray_job.sbatch"} <= {p.name for p in walk(world, shared)}
 
 
