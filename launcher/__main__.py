@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from launcher import files, logs, paths
+from launcher import files, logs, paths, shell
 from launcher import sweep as sweep_mod
 from launcher import memory, refit_cost
 from launcher import plan as plan_mod
@@ -310,9 +310,10 @@ def _multirun(overrides: list[str], opts: argparse.Namespace) -> int:
     print(sweep_mod.table(points, rows))
     print(f"sweep {sdir} ({len(points)} point(s); record: sweep.jsonl)")
     if first.topology.executor == "slurm" and not first.submit:
-        print(f"submit each with: sbatch <run directory>/ray_job.sbatch   (run directories under {sdir.parents[1]})")
+        print("submit each with:\n" + "\n".join(f"  {shell.command('sbatch', r.run_dir / paths.SBATCH_SCRIPT)}"
+                                                  for r in runs))
     else:
-        print(f"follow it: python -m launcher.status {sdir} --watch")
+        print(f"follow it: {shell.command('python', '-m', 'launcher.status', sdir, '--watch')}")
     return rc or (1 if failures else 0)
 
 
@@ -371,9 +372,11 @@ def _submit(cfg, plan, run_dir: Path) -> int:
     log, _ = slurm_job.task_logs(run_dir, job_id)
     print(f"submitted job {job_id} ({len(plan.nodes)} nodes) for run {cfg.run.name}")
     print(f"  run directory: {run_dir}")
-    print(f"  follow the driver: tail -F {log}")
-    print(f"  Ray logs per node: {run_dir}/logs/   status: python -m launcher.status {run_dir}")
-    print(f"  stop after a checkpoint: python -m launcher.stop {run_dir}   cancel now: scancel {job_id}")
+    print(f"  follow the driver: {shell.command('tail', '-F', log)}")
+    status = shell.command('python', '-m', 'launcher.status', run_dir)
+    print(f"  Ray logs per node: {run_dir}/logs/   status: {status}")
+    print(f"  stop after a checkpoint: {shell.command('python', '-m', 'launcher.stop', run_dir)}   cancel now: "
+          f"{shell.command('scancel', job_id)}")
     return 0
 
 

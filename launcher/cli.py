@@ -6,8 +6,9 @@ they do anything (the config and its files; a checkpoint and its records; a run 
 and its records): a user mistake found there is a `ConfigError` (a config key, an argument, or a
 record's file and key: launcher.records.RecordError), or one of the command's own error types.
 `run(main, argv, user_errors)` ends any of them the same way: one line `error: ...` on stderr and
-exit code 2, no traceback. Ctrl-C is exit code 130 without a traceback, and a reader that left
-(`... | head`) is not an error.
+exit code 2, no traceback; so does an OS error on a path that no check named first (a name too
+long, a symlink loop: `<path>: <what the OS said>`). Ctrl-C is exit code 130 without a traceback,
+and a reader that left (`... | head`) is not an error.
 
 `Parser` is argparse whose mistakes (an unknown option, a missing or malformed value) are such a
 one-line ConfigError naming the option, instead of argparse's usage block and exit code 2 of its own.
@@ -91,3 +92,13 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     except BrokenPipeError:  # the reader of stdout left (`| head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a path the OS refuses (a name too long, a symlink loop) that no check named first
+        if e.filename is None:
+            raise
+        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return 2
+    except RuntimeError as e:  # Python 3.11's Path.resolve() on a symlink loop
+        if "Symlink loop" not in str(e):
+            raise
+        print(f"error: {str(e).split(' from ', 1)[-1].strip(chr(39))}: a symlink loop", file=sys.stderr, flush=True)
+        return 2

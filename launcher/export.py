@@ -22,14 +22,13 @@ one line on stderr, exit code 2. This module imports no torch at import time (th
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from launcher import files, paths
+from launcher import files, paths, shell
 from launcher.driver import checkpoints
 from launcher.config import compose as config_mod
 from launcher.config import model_facts
@@ -53,23 +52,32 @@ class Report(AdapterExport):
         return next((r for r in VLLM_LORA_RANKS if r >= self.rank), self.rank)
 
     def serve_command(self) -> str:
+        """The `vllm serve` line to paste: every word quoted (launcher.shell), the adapter's name one
+        that passes the run-name rule (check_name)."""
         from workers import hf_checkpoint  # imports torch (the export already did); the module top stays torch-free
 
-        cmd = (f"vllm serve {self.base} --enable-lora --lora-modules {self.name}={self.out} "
-               f"--max-lora-rank {self.vllm_max_lora_rank}")
+        check_name(self.name)
+        words = ["vllm", "serve", self.base, "--enable-lora", "--lora-modules", f"{self.name}={self.out}",
+                 "--max-lora-rank", self.vllm_max_lora_rank]
         outside = hf_checkpoint.lora_targets_outside_experts(self.base)
         if outside is not None:  # an MoE base: the experts, which no adapter of ours touches, stay unwrapped
-            cmd += f" --lora-target-modules {' '.join(outside)}"
-        return cmd
+            words += ["--lora-target-modules", *outside]
+        return shell.command(*words)
 
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+_NAME = paths.RUN_NAME   # the adapter's name: the run-name rule
 
 
-def check_out(out: Path) -> None:
+def check_out(out: Path, checkpoint: Path | None = None) -> None:
     """`--out` before anything is read: a folder that does not exist yet, or one holding only an
-    earlier export (it is replaced whole); never a file, never a folder with other files."""
+    earlier export (it is replaced whole); never a file, never a folder with other files, never
+    inside the checkpoint it reads or any run's checkpoints (its files would be a checkpoint's
+    files that no manifest lists: no longer resumable nor exportable)."""
+    inside = _inside_checkpoints(out, checkpoint)
+    if inside is not None:
+        raise ExportError(f"--out {out}: inside {inside}, a run's checkpoints (they hold only what the run writes: "
+                          f"an export there makes them unusable); give a directory outside it")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: exists and is not a directory; give a new directory for the adapter")
     if out.is_dir():
@@ -82,6 +90,25 @@ def check_out(out: Path) -> None:
         raise ExportError(f"--out {out}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"--out {out}: {parent} is not writable")
+
+
+def _inside_checkpoints(out: Path, checkpoint: Path | None) -> Path | None:
+    """The checkpoint (or a run's checkpoint folder) `out` lies in, or None. Links resolved: a path
+    through a symlink into a checkpoint is inside it."""
+    try:
+        real = paths.absolute(out)
+        ckpt = paths.absolute(checkpoint) if checkpoint is not None else None
+    except (OSError, RuntimeError):
+        return None  # check_out names what is wrong with the path itself
+    folder = ckpt.parent if ckpt is not None and paths.STEP.match(ckpt.name) and ckpt.is_dir() else None
+    for p in [real, *real.parents]:
+        if ckpt is not None and p in (ckpt, folder):   # the checkpoint, its run's checkpoint folder
+            return p
+        if paths.STEP.match(p.name) and (p / paths.MANIFEST).is_file():
+            return p
+        if p.name == paths.CHECKPOINTS and (p.parent / paths.CONFIG).is_file():
+            return p
+    return None
 
 
 def check_name(name: str | None) -> None:
@@ -99,9 +126,9 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
     a private folder beside `out` and renamed into place whole, with the modes of the checkpoint's
     run (launcher.files: run.shared_with_group)."""
     out = Path(out).expanduser()
-    check_out(out)
-    check_name(name)
     ckpt = Path(checkpoint).expanduser()
+    check_out(out, ckpt)
+    check_name(name)
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: no such checkpoint directory (expected RUN/checkpoints/step_N)")
     try:
@@ -141,8 +168,8 @@ def export(checkpoint: str | Path, out: str | Path, base_model: str | Path | Non
         files.publish(staging, out, policy)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return Report(**{**vars(done), "out": out.resolve()}, base=base, name=name or f"{cfg.run.name}-step{step}",
-                  rank=cfg.peft.dim, alpha=cfg.peft.alpha)
+    return Report(**{**vars(done), "out": out.resolve()}, base=base,
+                  name=name or paths.safe_name(f"{cfg.run.name}-step{step}"), rank=cfg.peft.dim, alpha=cfg.peft.alpha)
 
 
 def _print_report(r: Report) -> None:

@@ -56,8 +56,10 @@ class Policy:
 
     @classmethod
     def inherited(cls, folder: Path) -> "Policy":
-        """The policy of an existing folder: shared when its group may read it."""
-        return cls(bool(os.stat(folder).st_mode & stat.S_IRGRP))
+        """The policy of an existing folder: shared only when its mode is the shared policy's own (the
+        group may read, nobody else anything); any other folder (one this launcher did not make, a
+        world-writable folder a link led to) gives the private policy, never a wider one."""
+        return cls(stat.S_IMODE(os.stat(folder).st_mode) & 0o077 == Policy(True).dir_mode & 0o077)
 
 
 PRIVATE = Policy(False)
@@ -72,10 +74,32 @@ def _policy(path: Path, policy: Policy | None) -> Policy:
     return Policy.inherited(folder)
 
 
+class NotYours(PermissionError):
+    """A top folder (the run directory, ...) that another user owns: they could replace what is written there."""
+
+
+def not_yours(path: Path) -> NotYours | None:
+    """NotYours when `path` (links followed) exists and another user owns it, else None."""
+    path = Path(path)
+    try:
+        real = path.resolve()
+        owner = os.stat(real).st_uid
+    except FileNotFoundError:
+        return None
+    if owner == os.getuid():
+        return None
+    return NotYours(f"{path}{f' (a link to {real})' if real != path.absolute() else ''} belongs to user id {owner}, "
+                    f"not to you: they could replace what the run writes there")
+
+
 def make_dir(path: Path, policy: Policy | None = None) -> Path:
     """`path` as a folder with the policy's mode (also when it existed with wider modes); the
-    folders made above it on the way get it too. Without `policy`: the parent's."""
+    folders made above it on the way get it too. Without `policy`: the parent's. Modes are set on
+    the folder a link leads to (a run directory that is a symlink to a world-writable folder is
+    made private); with `policy` given (a top folder, chosen from the config) that folder must be
+    this user's (NotYours otherwise: its owner could replace anything written there)."""
     path = Path(path)
+    explicit = policy is not None
     policy = _policy(path, policy)
     missing = []
     p = path
@@ -88,8 +112,11 @@ def make_dir(path: Path, policy: Policy | None = None) -> Path:
         except FileExistsError:  # made meanwhile by another task of the job
             pass
     for d in [path, *missing[1:]]:
-        if d.is_dir() and not d.is_symlink():
-            _chmod_own(d, policy.dir_mode)
+        real = d.resolve()
+        if real.is_dir():
+            if explicit and d == path and (err := not_yours(d)) is not None:
+                raise err
+            _chmod_own(real, policy.dir_mode)
     return path
 
 

@@ -101,8 +101,38 @@ def path_error(key: str, value: object) -> ConfigError | None:
 
 
 def absolute(path: str | Path) -> Path:
-    """`~` expanded, made absolute against the current directory, symlinks resolved."""
-    return Path(path).expanduser().resolve()
+    """`~` expanded, made absolute against the current directory, symlinks resolved. A symlink loop
+    is an OSError (ELOOP) like every other error of a path (Python 3.11's resolve raises RuntimeError)."""
+    try:
+        return Path(path).expanduser().resolve()
+    except RuntimeError as e:
+        if "Symlink loop" not in str(e):
+            raise
+        import errno
+        import os
+
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
+
+
+def os_error_text(e: BaseException) -> str:
+    """An OS error of a path in words ('File name too long', 'Too many levels of symbolic links')."""
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+class PathProblem(ConfigError):
+    """A path the OS refuses (ENAMETOOLONG, ELOOP, ...): `<key>: <path>: <what the OS said>`."""
+
+
+def path_problem(key: str, value: object) -> ConfigError | None:
+    """A path key whose value the OS refuses as a path (a name too long, a symlink loop, ...): the
+    one line naming the key, before anything reads or writes there."""
+    if value is None or value == "":
+        return None
+    try:
+        absolute(str(value)).exists()
+    except OSError as e:
+        return PathProblem(key, f"{value}: {os_error_text(e)}")
+    return None
 
 
 def run_dir(cfg: Config) -> Path:

@@ -2,23 +2,25 @@
 
 A record read back is input like any other: a checkpoint copied from a colleague, a run directory
 on a shared filesystem, a line edited by hand, a file cut short by a full disk. Each record has one
-schema here (the keys, their types and ranges); `load` / `load_lines` parse it (no NaN or
-Infinity: JSON has neither) and check it, and a failure is one `RecordError` naming the file (and
-line) and the key: a ConfigError, so every command ends it in one line with exit code 2, and the
-job meets it before Ray and the actors start. Rules that tie records together live with the
-reader that has them all (a checkpoint's step: its folder's N, its training_info.json and its
-trainer state agree, in `launcher.driver.checkpoints.verify`).
+schema here (the keys, their types and ranges); `load` / `load_lines` read it through the one
+bounded reader (launcher.config.bounded: a size limit per kind, no NaN or Infinity, a depth limit)
+and check it, and a failure is one `RecordError` naming the file (and line) and the key: a
+ConfigError, so every command ends it in one line with exit code 2, and the job meets it before
+Ray and the actors start. Rules that tie records together live with the reader that has them all
+(a checkpoint's step: its folder's N, its training_info.json and its trainer state agree, in
+`launcher.driver.checkpoints.verify`).
 
 The saved config.yaml (a run's and every checkpoint's) has the config's own schema:
-`load_config` reads it with the safe YAML loader (a python tag is refused, in one line), merges it
-into `launcher.config.schema.Config` (types, unknown keys) and checks every field's range
-(`launcher.config.ranges`).
+`load_config` reads it with the bounded safe YAML loader (a python tag, an alias or a file too big
+or too deep is refused, in one line), merges it into `launcher.config.schema.Config` (types,
+unknown keys), checks every field's range (`launcher.config.ranges`) and the rules of names and
+paths (`launcher.paths`: a run.name from a file passes the run-name rule before it is printed
+or used).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -26,16 +28,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher import paths
+from launcher.config import bounded
 from launcher.config.schema import ConfigError
 
-
-class RecordError(ConfigError):
-    """A record that is not what this launcher writes: `<file>: <key>: <what>`."""
-
-    def __init__(self, path: Path | str, key: str, what: str):
-        super().__init__(str(path), f"{key}: {what}" if key else what)
-        self.path = Path(path)
-        self.field = key
+RecordError = bounded.FileError   # a record that is not what this launcher writes: `<file>: <key>: <what>`
 
 
 Rule = Callable[[Any], "str | None"]   # what is wrong with a value, or None
@@ -250,57 +246,54 @@ SWEEP_POINT = Record(paths.SWEEP_RECORD, {
 
 
 # ------------------------------------------------------------------------------ reading
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+# how big each record may be (launcher.config.bounded.LIMITS): rollouts.json holds token ids, the
+# JSONL logs grow with the run, every other record is a few lines
+_LIMIT = {paths.ROLLOUTS: ("rollouts", 16), paths.MANIFEST: ("index", 8), paths.SUBMISSIONS: ("log", 8),
+          paths.FAILURES: ("log", 8), paths.SWEEP_RECORD: ("log", 8)}
 
 
-def _parse(data: str, where: str | Path) -> Any:
-    try:
-        return json.loads(data, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
-        raise RecordError(where, "", f"not valid JSON ({str(e).splitlines()[0][:80]})") from None
+def _limit(record: Record) -> tuple[int, str, int]:
+    kind, depth = _LIMIT.get(record.name, ("record", 8))
+    return bounded.LIMITS[kind], kind, depth
 
 
 def load(path: Path, record: Record, missing_ok: bool = False) -> dict | None:
     """A whole-file JSON record, checked; RecordError naming the file and key. `missing_ok`: None
     when there is no such file (one open, no stat first: a file polled every tick)."""
+    limit, kind, depth = _limit(record)
     try:
-        data = Path(path).read_text()
-    except FileNotFoundError:
+        data = bounded.read_bytes(path, limit, kind)
+    except bounded.FileMissing:
         if missing_ok:
             return None
-        raise RecordError(path, "", "unreadable (No such file or directory)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecordError(path, "", f"unreadable ({getattr(e, 'strerror', None) or type(e).__name__})") from None
-    return record.check(_parse(data, path), path)
+        raise
+    return record.check(bounded.parse_json(data, path, depth), path)
 
 
 def load_lines(path: Path, record: Record) -> list[dict]:
     """The rows of a JSONL record (none if the file does not exist), each checked. A last line
     without its newline is being written: skipped. Any other bad line is an error naming it."""
     path = Path(path)
-    try:
-        data = path.read_text()
-    except FileNotFoundError:
+    if not path.exists():
         return []
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecordError(path, "", f"unreadable ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    limit, kind, depth = _limit(record)
+    data = bounded.read_text(path, limit, kind)
     lines = data.split("\n")
     complete, partial = lines[:-1], lines[-1]
     rows = []
     for n, line in enumerate(complete, start=1):
         if line.strip():
             where = f"{path} line {n}"
-            rows.append(record.check(_parse(line, where), where))
+            rows.append(record.check(bounded.parse_json(line, where, depth), where))
     del partial  # being written (an append in flight): its writer finishes it
     return rows
 
 
 # ------------------------------------------------------------------------------ config.yaml
 def load_config(path: Path, typed: bool = False):
-    """A saved config.yaml: the DictConfig (`typed`: the schema.Config) after the safe YAML
-    loader, the schema's types and every field's range; RecordError naming the file and key."""
-    import yaml
+    """A saved config.yaml: the DictConfig (`typed`: the schema.Config) after the bounded safe YAML
+    loader (launcher.config.bounded: no aliases, a size, node and depth limit), the schema's types,
+    every field's range and the rules of names and paths; RecordError naming the file and key."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -310,15 +303,13 @@ def load_config(path: Path, typed: bool = False):
     path = Path(path)
     if not path.is_file():
         raise RecordError(path, "", "no resolved config here (is this a run directory or a checkpoint?)")
+    plain = bounded.yaml_file(path)
+    if not isinstance(plain, dict):
+        raise RecordError(path, "", f"must hold a YAML mapping of config sections, got a "
+                                    f"{'ListConfig' if isinstance(plain, list) else type(plain).__name__}")
     try:
-        raw = OmegaConf.load(path)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RecordError(path, "", f"not a config this launcher writes ({problem}{at}; it is read with the safe "
-                                    f"YAML loader)") from None
-    except (OSError, UnicodeDecodeError, OmegaConfBaseException) as e:
+        raw = OmegaConf.create(plain)
+    except (OmegaConfBaseException, ValueError, TypeError) as e:
         raise RecordError(path, "", f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:80]})") from None
     if not isinstance(raw, DictConfig):
         raise RecordError(path, "", f"must hold a YAML mapping of config sections, got a {type(raw).__name__}")
@@ -328,7 +319,16 @@ def load_config(path: Path, typed: bool = False):
         raise RecordError(path, e.key, e.message) from None
     except OmegaConfBaseException as e:  # an interpolation that does not resolve, ...
         raise RecordError(path, str(getattr(e, "full_key", "") or ""), str(e).splitlines()[0]) from None
-    errors = ranges.check(cfg)
+    errors = ranges.check(cfg) or _names_and_paths(cfg)
     if errors:
         raise RecordError(path, errors[0].key, errors[0].message)
     return cfg if typed else raw
+
+
+def _names_and_paths(cfg) -> list[ConfigError]:
+    """What the launcher checks of names and paths at submission, checked again on a config read back:
+    its run.name is printed (the exporter's `vllm serve` line) and names folders."""
+    errs = [paths.run_name_error(cfg.run.name)]
+    errs += [paths.path_error(key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]))
+             for key in paths.PATH_KEYS]
+    return [e for e in errs if e is not None]

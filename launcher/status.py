@@ -27,14 +27,11 @@ TERMINAL = slurm_job.OVER | {"ENDED"}
 
 # ------------------------------------------------------------------------------- reading a run
 def jsonl(path: Path) -> list[dict]:
-    """The complete lines of a JSONL file (a line being written is skipped)."""
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    """The complete lines of a JSONL file that are JSON objects (a line being written is skipped), read
+    with the bounded reader (launcher.config.bounded: a size and a depth limit)."""
+    from launcher.config import bounded
+
+    return bounded.jsonl_objects(path)
 
 
 def _alive(pid: int) -> bool:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import logs, progress
+from launcher import logs, progress, shell
 from launcher import status as status_mod
 from launcher.cluster import stop as stop_mod
 from launcher.job import slurm_job
@@ -90,7 +90,7 @@ def stop_runs(run_dirs: list[Path], wait: bool = True, timeout: float = 3600.0) 
             asked.append((d, job))
     if not wait:
         for d, _ in asked:
-            _say(f"follow it: python -m launcher.status {d} --watch")
+            _say(f"follow it: {shell.command('python', '-m', 'launcher.status', d, '--watch')}")
         return rc
     deadline, beat = time.monotonic() + timeout, progress.Heartbeat(_say)
     for d, job in asked:

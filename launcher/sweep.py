@@ -9,7 +9,11 @@ options), in that order, each written as Hydra writes it (`optim.lr=1e-4` -> `op
 `interval()` needs a sampling sweeper: refused.
 
 Each point's run is named `<its run.name>-<swept values>` (`slurm_2n-tiny_llama-dim8-lr1e-4`):
-a name the run-name rule allows (launcher.paths.safe_name), unique within the sweep. The sweep's record is
+a name the run-name rule allows (launcher.paths.safe_name), unique within the sweep. Names are seen
+by every user of the cluster (`squeue` shows the Slurm job name, which is the run name), so a value
+that may be a secret is never in one: the values of SECRET_KEYS (shell lines: `export HF_TOKEN=...`)
+and any value holding an assignment (`=`) or naming a token, secret, password or key are left out of
+the name (`setup_v2`: the second of the key's swept values) and out of what the sweep prints. The sweep's record is
 `<run.root>/sweeps/<sweep>/sweep.jsonl`, one line per point (overrides, run dir, job id).
 """
 
@@ -30,6 +34,18 @@ MAX_POINTS = 64         # --max-points N raises it
 NAME_MAX = paths.NAME_MAX
 
 
+# keys whose values are shell lines or environment values (tokens): never in a name or a printed label
+SECRET_KEYS = ("slurm.setup",)
+_SECRET_WORDS = re.compile(r"token|secret|passw|api_?key|credential|auth", re.IGNORECASE)
+
+
+def secret(key: str, value: str) -> bool:
+    """A swept value that may hold a secret: of a SECRET_KEYS key, an assignment, or naming one."""
+    bare = key.lstrip("+~")
+    return (any(bare == k or bare.startswith(k + ".") for k in SECRET_KEYS) or "=" in value
+            or _SECRET_WORDS.search(f"{bare} {value}") is not None)
+
+
 @dataclass
 class Point:
     index: int                         # 0-based, command-line order
@@ -37,9 +53,15 @@ class Point:
     swept: list[tuple[str, str]]       # (key, value) of the swept keys
     name: str = ""                     # the derived run name
     extra: dict = field(default_factory=dict)
+    choices: list[int] = field(default_factory=list)   # each swept value's place among its key's values
+
+    def shown(self) -> list[tuple[str, str]]:
+        """(key, value) of the swept keys as printed: a secret's value as `<value N of the sweep>`."""
+        return [(k, f"<value {c + 1} of the sweep>" if secret(k, v) else v)
+                for (k, v), c in zip(self.swept, self.choices or [0] * len(self.swept))]
 
     def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.swept)
+        return " ".join(f"{k}={v}" for k, v in self.shown())
 
 
 def sweep_override(overrides: list[str]) -> str | None:
@@ -88,20 +110,26 @@ def expand(overrides: list[str], max_points: int = MAX_POINTS) -> list[Point]:
     points = []
     for i, combo in enumerate(itertools.product(*(v for v, _ in axes.values()))):
         swept = [(key, line[len(key) + 1:]) for (key, (_, s)), line in zip(axes.items(), combo) if s]
-        points.append(Point(i, list(combo), swept))
+        choices = [values.index(line) for (values, s), line in zip(axes.values(), combo) if s]
+        points.append(Point(i, list(combo), swept, choices=choices))
     return points
 
 
 def run_name(base: str, point: Point) -> str:
     """`<base>-<label><value>...`: numbers as `dim8`, other values as `mode_adapter`, a group's
     choice as its option (`slurm_2n`, left out when the base already says it); a swept run.name
-    is the base itself."""
+    is the base itself; a value that may be a secret is left out (`setup_v2`: which of the key's
+    values, not what it is)."""
     labels = _labels([k for k, _ in point.swept])
     parts = []
-    for (key, value), label in zip(point.swept, labels):
+    choices = point.choices or [0] * len(point.swept)
+    for (key, value), label, choice in zip(point.swept, labels, choices):
         bare = key.lstrip("+~")
         value = value.strip("'\"")
         if bare == "run.name":
+            continue
+        if secret(key, value):
+            parts.append(f"{label}_v{choice + 1}")
             continue
         if bare in config_mod.GROUPS:
             if value not in base.split("-"):
@@ -175,7 +203,7 @@ def table(points: list[Point], rows: list[dict]) -> str:
     """point | swept values | run name | job/state."""
     keys = [k for k, _ in points[0].swept] if points else []
     head = ["#", *keys, "run", "job"]
-    body = [[str(p.index), *[v for _, v in p.swept], p.name, r.get("job_id") or r.get("state", "")]
+    body = [[str(p.index), *[v for _, v in p.shown()], p.name, r.get("job_id") or r.get("state", "")]
             for p, r in zip(points, rows)]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

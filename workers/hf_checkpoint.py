@@ -1,7 +1,7 @@
 """Reading a local HF checkpoint directory (`*.safetensors`, optionally sharded with an index).
 
-`weight_shapes(dir)`       {name: shape} from the safetensors headers alone (8-byte length + JSON;
-                           no tensor is read)
+`weight_shapes(dir)`       {name: shape} from the safetensors headers alone (8-byte length + JSON,
+                           read and checked by launcher.config.bounded; no tensor is read)
 `read_tensors(dir, names)` the named torch tensors; a name matches its other HF spelling too
                            (`workers.lora.layout.hf_name_candidates`: Nemotron-H's `backbone.`/`model.`)
 `lora_targets_outside_experts(dir)`  an MoE checkpoint's linears outside its experts (vLLM's LoRA filter)
@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 from safetensors import safe_open
 
+from launcher.config import bounded
 from workers.lora.layout import hf_name_candidates
 
 INDEX = "model.safetensors.index.json"
@@ -33,7 +32,9 @@ def read_tensors(model_dir: str | Path, names: list[str]) -> dict:
     root = Path(model_dir)
     index = root / INDEX
     if index.exists():
-        file_of = json.loads(index.read_text())["weight_map"]
+        file_of = bounded.json_file(index, bounded.LIMITS["index"], "index", obj=True).get("weight_map")
+        if not isinstance(file_of, dict) or not all(isinstance(v, str) for v in file_of.values()):
+            raise bounded.FileError(index, "weight_map", "must map each tensor name to its shard file")
     else:
         file_of = {key: "model.safetensors" for key in weight_shapes_of_file(root / "model.safetensors")}
     by_file: dict[str, list[tuple[str, str]]] = {}
@@ -51,11 +52,9 @@ def read_tensors(model_dir: str | Path, names: list[str]) -> dict:
 
 
 def weight_shapes_of_file(path: str | Path) -> dict[str, list[int]]:
-    """{weight name: shape} from one safetensors file's header."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    """{weight name: shape} from one safetensors file's header (every entry checked: a FileError,
+    one line naming the file and the tensor, for a header that is not one)."""
+    return {name: list(t.shape) for name, t in bounded.safetensors_header(path).tensors.items()}
 
 
 def lora_targets_outside_experts(model_dir: str) -> list[str] | None:

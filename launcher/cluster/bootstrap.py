@@ -77,8 +77,7 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
         checked = ckpt is not None  # complete() verified it
     else:
         checked = False
-    if cfg.resume and not checked:
-        check_resume(ctx, cfg)
+    check_start(ctx, cfg, resuming=not checked)
     try:
         out = run_head(ctx, cfg, plan, signals=stop.job_handlers(plain_sbatch))
         if plain_sbatch and (out.get("result") or {}).get("stopped") and not out.get("stop_requested"):
@@ -95,15 +94,15 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
         return {"node": ctx.hostname, "role": "head", "requeued": str(e)}
 
 
-def check_resume(ctx: JobContext, cfg: Config) -> None:
-    """The checkpoint to resume from, its files and its records (launcher.records), before Ray and
-    the actors start: it may have changed since the submission checked it. A ConfigError naming
-    the file and key; the other tasks see `done` and end."""
-    from launcher.driver.checkpoints import CheckpointManager, check_compatible
+def check_start(ctx: JobContext, cfg: Config, resuming: bool = True) -> None:
+    """Everything the job checks when it starts (launcher.driver.start_check: the same function the
+    launcher ran at submission), before Ray and the actors start: the checkpoint to resume may have
+    changed since. A ConfigError naming the key (the file and key of a record); the other tasks see
+    `done` and end."""
+    from launcher.driver import start_check
 
     try:
-        ckpt = CheckpointManager(checkpoint_dirs(cfg, ctx.run_dir), cfg.checkpointing).resolve(cfg.resume)
-        check_compatible(ckpt.path, cfg)
+        start_check.check(cfg, ctx.run_dir, resuming=resuming)
     except config_mod.ConfigError as e:
         files.make_dir(ctx.rendezvous)
         files.write_json(ctx.rendezvous / paths.DONE, {"ok": False, "error": str(e)})

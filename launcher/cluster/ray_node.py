@@ -150,7 +150,7 @@ def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: st
     reaper = [sys.executable, "-m", "launcher.cluster.reaper", f"--temp-dir={ctx.ray_temp_dir}",
               f"--keep-logs={ctx.ray_logs}", str(os.getpid())]
     with files.open_append(log_file) as out:  # the run directory's mode
-        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.write(f"\n$ {shlex.join(cmd)}\n")
         out.flush()
         # under launcher.cluster.reaper: nothing of this Ray node survives this process (see its docstring)
         return subprocess.Popen([*reaper, *cmd], stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -50,19 +50,41 @@ def compose(overrides: list[str], notes: list[str] | None = None) -> DictConfig:
             raise ConfigError(str(cause.full_key), expected(str(cause.full_key), cause.value)) from None
         raise ConfigError(_override_of(e, overrides), _hydra_message(e)) from None
     except OmegaConfBaseException as e:
-        raise ConfigError(getattr(e, "full_key", None) or "config", _first_line(e)) from None
+        raise ConfigError(_key_of(e, overrides, "config"), _first_line(e)) from None
     explicit = {o.partition("=")[0].lstrip("+~") for o in overrides}
     try:
         found = model_facts.apply(cfg, explicit)
     except OmegaConfBaseException as e:  # an interpolation in the model section that cannot resolve
-        raise ConfigError(str(getattr(e, "full_key", "model")), _first_line(e)) from None
+        raise ConfigError(_key_of(e, overrides, "model"), _first_line(e)) from None
+    except OSError as e:  # model.path is a path the OS refuses (a name too long, a symlink loop)
+        raise ConfigError("model.path", f"{e.filename or cfg.model.path}: {e.strerror or e}") from None
     if notes is not None:
         notes.extend(found)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError(str(getattr(e, "full_key", "config")), _first_line(e)) from None
+        raise ConfigError(_key_of(e, overrides, "config"), _first_line(e)) from None
     return cfg
+
+
+def _key_of(e: Exception, overrides: list[str], default: str) -> str:
+    """The key an OmegaConf error is about: its full_key when OmegaConf knows it (it is None for an
+    interpolation that fails while the whole config resolves), else the override that wrote the
+    interpolation it names, else `default`."""
+    key = getattr(e, "full_key", None)
+    if key:
+        return str(key)
+    text = str(e)
+    written = [o for o in overrides if "${" in o]
+    named = [o for o in written if any(f"'{part}'" in text for part in _interpolations(o))]
+    pick = named or written
+    return pick[0].partition("=")[0].lstrip("+~") if pick else default
+
+
+def _interpolations(override: str) -> list[str]:
+    import re
+
+    return re.findall(r"\$\{([^}]*)\}", override)
 
 
 def _register_schema_sections() -> None:

@@ -175,7 +175,7 @@ def _hybrid_pattern(r: "_Reader", pattern_key: str = "hybrid_override_pattern",
     if pattern is not None:
         if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
             raise r.error(pattern_key, f"must be a string of {''.join(HYBRID_SYMBOLS)} (one per "
-                                       f"layer), got {pattern!r}")
+                                       f"layer), got {_short(pattern)}")
         return pattern
     if blocks is None:
         if default is not None:
@@ -184,7 +184,8 @@ def _hybrid_pattern(r: "_Reader", pattern_key: str = "hybrid_override_pattern",
                                    f"{pattern_key} or {list_key})")
     if not isinstance(blocks, list) or not blocks or not all(isinstance(b, str) and b in _BLOCK_SYMBOLS
                                                              for b in blocks):
-        raise r.error(list_key, f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, got {blocks!r}")
+        raise r.error(list_key, f"must be a list of {', '.join(sorted(_BLOCK_SYMBOLS))}, got "
+                                f"{_short(blocks)}")
     return "".join(_BLOCK_SYMBOLS[b] for b in blocks)
 
 
@@ -267,13 +268,13 @@ ROPE_PARAMETERS: dict[str, dict[str, Any]] = {
 
 def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
     """(facts, architectures) of the HF checkpoint directory `path`; ConfigError on a bad config.json."""
+    from launcher.config import bounded
+
     cfg_file = Path(path) / "config.json"
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except OSError as e:
-        raise ConfigError("model.path", f"cannot read {cfg_file}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise ConfigError("model.path", f"{cfg_file} is not valid JSON: {e}") from None
+    try:  # the one bounded reader: a size and depth limit, no NaN
+        hf = bounded.json_file(cfg_file, bounded.LIMITS["model config"], "model config")
+    except bounded.FileError as e:
+        raise ConfigError("model.path", str(e)) from None
     if not isinstance(hf, dict):
         raise ConfigError("model.path", f"{cfg_file} must hold a JSON object, got {type(hf).__name__}")
     return read_hf(hf, str(cfg_file))
@@ -285,7 +286,8 @@ def read_hf(hf: Mapping[str, Any], where: str) -> tuple[ModelFacts, list[str]]:
     family = reader.string("model_type")
     architectures = hf.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise ConfigError("model.path", f"{where}: architectures must be a list of strings, got {architectures!r}")
+        raise ConfigError("model.path", f"{where}: architectures must be a list of strings, got "
+                                        f"{_short(architectures)}")
     kind = FAMILY_FACTS.get(family, Family())
     heads = reader.positive("num_attention_heads")
     hidden = reader.positive("hidden_size")
@@ -370,17 +372,19 @@ def unread_differences(hf: Mapping[str, Any], family: str) -> list[str]:
 
 def _rope(r: "_Reader", max_positions: Optional[int]) -> tuple[float, dict]:
     """(rope_theta, normalised rope scaling or {}) from either spelling of config.json."""
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5's spelling first; each an object or null
+        given = r.hf.get(key)
+        if given is not None and not isinstance(given, dict):
+            raise r.error(key, f"must be an object or null, got {_short(given)}")
     key = "rope_parameters" if isinstance(r.hf.get("rope_parameters"), dict) else "rope_scaling"
     given = r.hf.get(key)
-    if given is not None and not isinstance(given, dict):
-        raise r.error(key, f"must be an object or null, got {given!r}")
     params = dict(given or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     theta = params.pop("rope_theta", None)
     theta = float(r.number("rope_theta", default=10000.0) if theta is None else r.number(f"{key}.rope_theta", theta))
     if not isinstance(rope_type, str):
-        raise r.error(f"{key}.rope_type", f"must be a string, got {rope_type!r}")
+        raise r.error(f"{key}.rope_type", f"must be a string, got {_short(rope_type)}")
     if rope_type == "default":
         return theta, {}
     out: dict[str, Any] = {"rope_type": rope_type}
@@ -418,6 +422,11 @@ class _Seen(dict):
         return super().__contains__(key)
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class _Reader:
     def __init__(self, hf: Mapping[str, Any], where: str):
         self.hf, self.where = _Seen(hf), where
@@ -435,7 +444,7 @@ class _Reader:
         if value is None:
             raise self.error(key, "is missing (a transformers config.json names its model_type)")
         if not isinstance(value, str) or not value:
-            raise self.error(key, f"must be a non-empty string, got {value!r}")
+            raise self.error(key, f"must be a non-empty string, got {_short(value)}")
         return value
 
     def positive(self, key: str, default: Optional[int] = None) -> int:
@@ -445,7 +454,7 @@ class _Reader:
                 raise self.error(key, "is missing")
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise self.error(key, f"must be a positive integer, got {value!r}")
+            raise self.error(key, f"must be a positive integer, got {_short(value)}")
         return value
 
     def flag(self, key: str, default: bool) -> bool:
@@ -453,7 +462,7 @@ class _Reader:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise self.error(key, f"must be true or false, got {value!r}")
+            raise self.error(key, f"must be true or false, got {_short(value)}")
         return value
 
     def number(self, key: str, value: Any = None, default: Optional[float] = None) -> float:
@@ -461,7 +470,7 @@ class _Reader:
         if value is None:
             return default  # type: ignore[return-value]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(key, f"must be a number, got {value!r}")
+            raise self.error(key, f"must be a number, got {_short(value)}")
         return value
 
     def int_list(self, key: str) -> list[int]:
@@ -469,7 +478,7 @@ class _Reader:
         if value is None:
             return []
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise self.error(key, f"must be a list of integers, got {value!r}")
+            raise self.error(key, f"must be a list of integers, got {_short(value)}")
         return value
 
     def count(self, key: str, default: int = 0) -> int:
@@ -478,7 +487,7 @@ class _Reader:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self.error(key, f"must be an integer >= 0, got {value!r}")
+            raise self.error(key, f"must be an integer >= 0, got {_short(value)}")
         return value
 
     def first_count(self, keys: tuple[str, ...]) -> int:
@@ -488,7 +497,7 @@ class _Reader:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise self.error(key, f"must be an integer >= 0, got {value!r}")
+                raise self.error(key, f"must be an integer >= 0, got {_short(value)}")
             return value
         return 0
 

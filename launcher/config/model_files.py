@@ -6,25 +6,37 @@ things from the base model's folder: `config.json`, the weights in safetensors (
 the same folder) and a tokenizer. A folder that lacks one of them (an interrupted download, a
 copy of the wrong folder) would otherwise be found out on the cluster, after the wait in the queue.
 
-Each weight file is checked to be a whole safetensors file from its header alone (8 bytes of
-length, a JSON header, data up to the last tensor's end offset): a file cut short by a download is
-named. Nothing else is read, so this costs milliseconds on a model of any size.
+Every file is read with the one bounded reader (launcher.config.bounded). Each weight file is
+checked to be a whole safetensors file from its header alone (8 bytes of length, a JSON header
+whose every entry has a known dtype, a shape and data offsets of that size, data up to the last
+tensor's end offset): a file cut short by a download is named; no tensor is read, so this costs
+milliseconds on a model of any size. Every tokenizer file there, and every other JSON file
+(generation_config.json, chat_template.json, ...: transformers and vLLM read them when the job
+starts), is read whole and parsed as what it is (JSON objects where transformers expects one;
+merges.txt, vocab.txt, *.tiktoken, *.jinja: UTF-8 text; tokenizer.model: a whole protobuf
+message), so one cut in half is named too.
 `problem(path)` is one line (what is missing, where) or None; validate.py turns it into the
 `model.path` error of a submission and the note of a dry run, the preflight into a node's problem.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
+
+from launcher.config import bounded
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # what transformers' tokenizers load from: a fast tokenizer, a sentencepiece model, BPE vocab + merges,
 # a WordPiece vocab, or a tiktoken file
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
-MAX_HEADER = 100 * 2**20  # safetensors' own limit on the header
+# JSON files beside the tokenizer that transformers reads when they are there
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "vocab.json")
+TOKENIZER_TEXT = ("merges.txt", "vocab.txt")
+# other JSON files of a model folder that transformers or vLLM read as an object when they are there
+OBJECT_JSON = ("config.json", "generation_config.json", "chat_template.json", "preprocessor_config.json",
+               "processor_config.json")
 
 
 def problem(path: str | Path) -> str | None:
@@ -41,9 +53,9 @@ def _weights(path: Path) -> str | None:
     index = path / INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (OSError, ValueError, AttributeError) as e:
-            return f"{index}: not a safetensors index ({type(e).__name__})"
+            weight_map = bounded.json_file(index, bounded.LIMITS["index"], "index", obj=True).get("weight_map")
+        except bounded.FileError as e:
+            return f"{index}: not a safetensors index ({e.message})"
         if not isinstance(weight_map, dict) or not weight_map:
             return f"{index}: weight_map must be an object naming each tensor's shard file"
         shards = sorted(set(map(str, weight_map.values())))
@@ -70,35 +82,41 @@ def _weights(path: Path) -> str | None:
 
 
 def _whole(f: Path) -> str | None:
-    """A safetensors file whose header parses and whose data is all there."""
+    """A safetensors file whose header parses, every entry well formed, and whose data is all there."""
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return f"{f}: {size} bytes, not a safetensors file (cut short?)"
-            n = struct.unpack("<Q", head)[0]
-            if n > min(MAX_HEADER, size - 8):
-                return f"{f}: its header says {n} bytes but the file has {size} (cut short, or not safetensors)"
-            header = json.loads(fh.read(n))
-    except OSError as e:
-        return f"{f}: cannot be read ({e.strerror})"
-    except (ValueError, UnicodeDecodeError):
-        return f"{f}: not a safetensors file (its header is not JSON)"
-    if not isinstance(header, dict):
-        return f"{f}: not a safetensors file (its header is not a JSON object)"
-    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)
-            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2]
-    need = 8 + n + max(ends, default=0)
-    if size < need:
-        return f"{f}: {size} bytes, its tensors end at byte {need} (cut short: an interrupted download?)"
+        bounded.safetensors_header(f)
+    except bounded.FileError as e:
+        return str(e)
     return None
 
 
 def _tokenizer(path: Path) -> str | None:
-    if any(all((path / name).is_file() for name in group) for group in TOKENIZER_FILES):
-        return None
-    if any(path.glob("*.tiktoken")):
-        return None
-    return (f"{path} has no tokenizer (tokenizer.json, tokenizer.model, or vocab.json + merges.txt): the run encodes "
-            f"the prompts with the model's own tokenizer")
+    present = any(all((path / name).is_file() for name in group) for group in TOKENIZER_FILES)
+    if not present and not any(path.glob("*.tiktoken")):
+        return (f"{path} has no tokenizer (tokenizer.json, tokenizer.model, or vocab.json + merges.txt): the run "
+                f"encodes the prompts with the model's own tokenizer")
+    return next((err for f in sorted(path.iterdir()) if f.is_file() and (err := _tokenizer_file(f))), None)
+
+
+def _tokenizer_file(f: Path) -> str | None:
+    """One file of the model folder read whole as what it is (launcher.config.bounded); None when it
+    is whole or not one the job reads: every `*.json` (the tokenizer's, generation_config.json,
+    chat_template.json, ...: transformers and vLLM parse each one there when the job starts) and the
+    tokenizer's text and sentencepiece files."""
+    limit = bounded.LIMITS["tokenizer"]
+    try:
+        if f.name == INDEX:
+            return None  # _weights read it
+        if f.name in TOKENIZER_JSON or f.name in OBJECT_JSON:
+            bounded.json_file(f, limit, "tokenizer", obj=True)
+        elif f.suffix == ".json":
+            bounded.json_file(f, limit, "model file")
+        elif f.name in TOKENIZER_TEXT or f.suffix in (".tiktoken", ".jinja"):
+            bounded.read_text(f, limit, "tokenizer")
+        elif f.name == "tokenizer.model":
+            bounded.protobuf_message(bounded.read_bytes(f, limit, "tokenizer"), f)
+    except bounded.FileError as e:
+        what = "a tokenizer file" if f.name in TOKENIZER_JSON + TOKENIZER_TEXT or f.suffix == ".tiktoken" \
+            or f.name == "tokenizer.model" else "a file of the model"
+        return f"{e} ({what} cut short or damaged: the run could not read it when it starts)"
+    return None

@@ -38,8 +38,21 @@ VLLM_CPU_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 Rule = Callable[[Model], list[tuple[str, str]]]
 
 
+# the rope parameters that are not numbers (every other one is a finite number), and the positive ones:
+# vLLM divides by the factor's and the betas' logs and takes the theta's powers (rotary_embedding/)
+ROPE_NOT_NUMBERS = {"rope_type": str, "truncate": bool}
+ROPE_POSITIVE = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "low_freq_factor",
+                 "high_freq_factor")
+
+
+def _finite(v) -> bool:
+    import math
+
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _rope(m: Model) -> list[tuple[str, str]]:
-    rope = m.rope_scaling
+    rope = m.rope_scaling   # rope_theta > 0: its field's range (launcher.config.schema.Model)
     if not rope:
         return []
     kind = rope.get("rope_type")
@@ -48,6 +61,17 @@ def _rope(m: Model) -> list[tuple[str, str]]:
                                  f"{', '.join(ROPE_TYPES)}: the types megatron-core is checked to compute as vLLM does)")]
     if rope.get("factor") is None:
         return [("rope_scaling", f"rope_scaling.factor is missing ({kind} needs it)")]
+    for key, value in rope.items():
+        want = ROPE_NOT_NUMBERS.get(key)
+        if (not isinstance(value, want)) if want else not _finite(value):
+            what = "true or false" if want is bool else "a string" if want else "a finite number"
+            return [("rope_scaling", f"rope_scaling.{key} must be {what}, got {str(value)[:40]}")]
+        if key in ROPE_POSITIVE and value <= 0:
+            return [("rope_scaling", f"rope_scaling.{key} must be more than 0 (vLLM and megatron-core cannot build "
+                                     f"the rotary embedding otherwise), got {value:g}")]
+    if rope["factor"] < 1:
+        return [("rope_scaling", f"rope_scaling.factor must be at least 1 (transformers' rule for {kind}: it "
+                                 f"stretches the positions), got {rope['factor']:g}")]
     out = []
     if kind == "llama3":
         for key, fixed in LLAMA3_FIXED.items():

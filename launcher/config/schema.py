@@ -40,6 +40,12 @@ class ConfigError(Exception):
 COUNT = All((Range(1, None), Range(None, 4096)))
 PARALLEL = All((Range(1, None), Range(None, 1024)))
 PORT = Range(1024, 65535)
+# a duration the job turns into a datetime.timedelta, a socket timeout or torch's C++ timeouts: a week at
+# most (timedelta(seconds=1e20) overflows; tests/unit/test_job_limits.py walks every *_s field)
+MAX_SECONDS = 7 * 86400
+# vLLM raises a sampling temperature under this to it (vllm.sampling_params._MAX_TEMP) while the trainer
+# divides the logits by the temperature it was given: below it the two would compute different distributions
+VLLM_MIN_TEMPERATURE = 0.01
 DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -360,7 +366,9 @@ class Grpo:
     max_new_tokens: int = knob(16, Range(1, None), "the most tokens generated per sample")
     max_total_sequence_length: int = knob(512, Elsewhere("validate._refit_and_vllm", "more than max_new_tokens"),
                                           "prompt + response tokens at most")
-    temperature: float = knob(1.0, Range(0, None, lo_open=True, say="must be positive (GRPO samples), got {value}"),
+    temperature: float = knob(1.0, Range(VLLM_MIN_TEMPERATURE, None, say=f"must be at least {VLLM_MIN_TEMPERATURE} "
+                                         f"(vLLM raises a lower one to it, the trainer would divide by the value "
+                                         f"given), got {{value}}"),
                               "sampling temperature; the trainer's logprobs use the same")
     top_p: float = knob(1.0, All((Range(0, 1, lo_open=True), OneOf((1.0,), say=TOP_P_BIAS))),
                         "nucleus sampling; only 1.0 (the trainer's logprobs do not apply a truncation)")
@@ -445,8 +453,8 @@ class Refit:
     bucket_mb: int = knob(256, Range(1, None), "MiB per transfer bucket")
     transport: str = knob("auto", OneOf(REFIT_TRANSPORTS), "auto: nccl on cuda, ray on cpu "
                                                            "(workers.refit.control)")
-    timeout_s: float = knob(600.0, Range(1, None), "seconds the broadcast group's collectives may take (trainer "
-                                                   "rank 0 and every vLLM worker)")
+    timeout_s: float = knob(600.0, Range(1, MAX_SECONDS), "seconds the broadcast group's collectives may take "
+                                                          "(trainer rank 0 and every vLLM worker)")
 
 
 @dataclass
@@ -531,7 +539,7 @@ class RayCfg:
     min_worker_port: int = knob(10002, PORT, "lowest port of Ray's workers")
     max_worker_port: int = knob(10999, PORT, "highest port of Ray's workers")
     object_store_mb: int = knob(256, Range(75, None), "object store per node (Ray refuses one under 75 MiB)")
-    register_timeout_s: float = knob(120.0, Range(0, None, lo_open=True),
+    register_timeout_s: float = knob(120.0, Range(0, MAX_SECONDS, lo_open=True),
                                      "the driver fails, naming the missing nodes, when no further node registered "
                                      "for this long")
     join_retries: int = knob(3, Range(1, 100), "attempts of a worker node's `ray start`")

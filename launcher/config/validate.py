@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from launcher import memory, paths
 from launcher import plan as plan_mod
-from launcher.config import model_facts, model_files, model_rules
+from launcher.config import job_limits, model_facts, model_files
 from launcher.config import ranges
 from launcher.config.compose import ConfigError
 from launcher.config.schema import BUILTIN_MODELS, LORA_MODULES, LORA_NOT_IN_PEFT, Config, loss_errors
@@ -24,9 +24,14 @@ def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:
     errs = ranges.check(cfg)  # every field's own range first: the rules below may assume them
     if errs:
         return errs
-    errs = plan_mod.check(cfg.topology)
-    errs += _paths(cfg)
-    errs += _model(cfg, submitting)
+    path_errs = _paths(cfg)
+    if any(isinstance(e, paths.PathProblem) for e in path_errs):  # the OS refuses a path (a name too long, a
+        return path_errs                                          # symlink loop): before any reader meets it
+    errs = plan_mod.check(cfg.topology) + path_errs
+    model_errs = _model(cfg, submitting)
+    # what the job's components refuse when they start (vLLM's context, the rope, megatron's scheduler):
+    # the job checks the same again before it starts (launcher.driver.start_check)
+    errs += model_errs or job_limits.errors(cfg, tokenizer=False)
     errs += _parallel_vs_model(cfg)
     errs += _peft(cfg)
     errs += _refit_and_vllm(cfg)
@@ -55,12 +60,28 @@ def _paths(cfg: Config) -> list[ConfigError]:
              for key in paths.PATH_KEYS]
     if cfg.resume is not None and not paths.RESUME_WORDS.match(cfg.resume):
         errs.append(paths.path_error("resume", cfg.resume))
-    return [e for e in errs if e is not None]
+    errs = [e for e in errs if e is not None]
+    if not errs:  # the OS's own refusals of a path (a name too long, a symlink loop): one line each
+        values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in paths.PATH_KEYS}
+        values["run.name"] = f"{cfg.run.root}/{cfg.run.name}"
+        if cfg.resume is not None and not paths.RESUME_WORDS.match(cfg.resume):
+            values["resume"] = cfg.resume
+        for key in ("data.train", "data.validation"):
+            values[key] = getattr(cfg.data, key.split(".")[1])
+        values["reward.fn"] = cfg.reward.fn.rpartition(":")[0] if ":" in cfg.reward.fn else None
+        for key, v in values.items():
+            if key == "run.name" and errs:
+                continue  # run.root's own problem
+            if (e := paths.path_problem(key, v)) is not None:
+                errs.append(e)
+    return errs
 
 
 def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
     """The model's facts are resolved (launcher.config.model_facts: from config.json or the built-in
-    recipe) before this runs; unresolved (None) ones belong to a dry run for a checkpoint elsewhere."""
+    recipe) before this runs; unresolved (None) ones belong to a dry run for a checkpoint elsewhere.
+    What the stack cannot honour of them (launcher.config.model_rules) is one of the job's limits
+    (launcher.config.job_limits), checked after these."""
     m = cfg.model
     errs = []
     if m.family is not None and m.family not in model_facts.supported_families():
@@ -75,7 +96,7 @@ def _model(cfg: Config, submitting: bool) -> list[ConfigError]:
     if m.num_attention_heads and m.num_query_groups and m.num_attention_heads % m.num_query_groups:
         errs.append(ConfigError("model.num_query_groups", f"must divide num_attention_heads = "
                                                           f"{m.num_attention_heads}, got {m.num_query_groups}"))
-    return errs + (model_rules.errors(m, cfg.topology.device) if not errs else [])
+    return errs
 
 
 def _model_dir(cfg: Config, submitting: bool) -> list[ConfigError]:
@@ -279,7 +300,9 @@ def _data_and_reward(cfg: Config, submitting: bool) -> list[ConfigError]:
     if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens > room > 0:
         errs.append(ConfigError("data.max_prompt_tokens", f"must be at most max_total_sequence_length - "
                                                           f"max_new_tokens = {room}, got {cfg.data.max_prompt_tokens}"))
-    return errs + data.check(cfg.data, need_answer=cfg.reward.fn in rewards.BUILTIN, submitting=submitting)
+    data_errs = data.check(cfg.data, need_answer=cfg.reward.fn in rewards.BUILTIN, submitting=submitting)
+    # the tokenizer's chat template for data.messages_key (one of the job's limits), once the file has the field
+    return errs + (data_errs or job_limits.chat_template(cfg))
 
 
 def _slurm(cfg: Config) -> list[ConfigError]:

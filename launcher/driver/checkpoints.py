@@ -73,23 +73,63 @@ def size_of(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _check_rollouts_ahead(path: Path, info: dict) -> None:
-    """A pipelined checkpoint's rollouts.json: its schema, and the steps training_info.json says were
-    generated ahead (N+1.., each with weights older than its step, from data at or after N's position)."""
-    ahead = (info.get("pipeline") or {}).get("ahead") or []
+def _check_rollouts_ahead(path: Path, info: dict, config) -> None:
+    """A pipelined checkpoint's rollouts.json: its schema, and its agreement with the checkpoint's other
+    records: the steps training_info.json says were generated ahead (N+1.., at most max_lag of them,
+    each with weights from the max_lag steps before it, from data at or after N's position, in
+    order), the max_lag of both, and the sampling settings of its config.yaml (`config`): the same
+    settings, and each step's samples the size those settings make (num_prompts_per_step x
+    num_generations_per_prompt; responses of at most max_new_tokens, prompt + response at most
+    max_total_sequence_length). A resume that trains on them can rely on it."""
+    from launcher.driver.pipeline import sampling_settings
+
+    saved = info.get("pipeline") or {}
+    ahead = saved.get("ahead") or []
     if not ahead:
         return
     body = _record(path / paths.ROLLOUTS, records.ROLLOUTS)
     step, where = info["step"], path / paths.ROLLOUTS
-    steps = [r["step"] for r in body["rollouts"]]
+    steps, lag = [r["step"] for r in body["rollouts"]], body["max_lag"]
+
+    def disagree(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {what}; the checkpoint's records disagree, not resumable")
+
     if steps != ahead or ahead != list(range(step + 1, step + 1 + len(ahead))):
-        raise CheckpointError(f"{where}: holds steps {steps}, {INFO} says {ahead} after step {step}; the "
-                              f"checkpoint's records disagree, not resumable")
+        raise disagree(f"holds steps {steps}, {INFO} says {ahead} after step {step}")
     for r in body["rollouts"]:
         if r["version"] >= r["step"] or r["position"] < info["consumed_prompts"]:
             raise CheckpointError(f"{where}: step {r['step']} generated with weights {r['version']} from data "
                                   f"position {r['position']} (the checkpoint is at step {step}, position "
                                   f"{info['consumed_prompts']}); not resumable")
+    if lag != saved.get("max_lag"):
+        raise disagree(f"max_lag: {lag}, {INFO} says pipeline.max_lag {saved.get('max_lag')}")
+    if len(ahead) > lag:
+        raise disagree(f"holds {len(ahead)} steps generated ahead, more than its max_lag {lag} allows")
+    positions = [r["position"] for r in body["rollouts"]]
+    for r in body["rollouts"]:
+        if r["version"] < r["step"] - 1 - lag:
+            raise disagree(f"step {r['step']} generated with the weights of step {r['version']}, more than max_lag "
+                           f"{lag} steps before it")
+    if positions != sorted(positions):
+        raise disagree(f"data positions {positions} go backwards")
+    now = json.loads(json.dumps(sampling_settings(config)))
+    if body["sampling"] != now:
+        changed = next((f"{k}.{x}" for k, section in now.items() for x in section
+                        if (body["sampling"].get(k) or {}).get(x) != section[x]), "its keys")
+        raise disagree(f"sampling: {changed} is not what the checkpoint's {CONFIG} says")
+    g = config.grpo
+    rows = g.num_prompts_per_step * g.num_generations_per_prompt
+    for r in body["rollouts"]:
+        s = r["rollout"]
+        if len(s["rewards"]) != rows:
+            raise disagree(f"step {r['step']} holds {len(s['rewards'])} samples, its sampling settings make {rows} "
+                           f"(grpo.num_prompts_per_step {g.num_prompts_per_step} x num_generations_per_prompt "
+                           f"{g.num_generations_per_prompt})")
+        for p_ids, r_ids in zip(s["prompt_ids"], s["response_ids"]):
+            if len(r_ids) > g.max_new_tokens or len(p_ids) + len(r_ids) > g.max_total_sequence_length:
+                raise disagree(f"step {r['step']} holds a sample of {len(p_ids)} + {len(r_ids)} tokens, longer than "
+                               f"grpo.max_new_tokens {g.max_new_tokens} / max_total_sequence_length "
+                               f"{g.max_total_sequence_length} allow")
 
 
 def verify(path: Path) -> None:
@@ -126,13 +166,13 @@ def verify(path: Path) -> None:
                               f"records disagree, not resumable")
     for rel in listed:
         if Path(rel).name.endswith(".metadata"):
-            _check_pickle(path / rel)
+            _check_storage(path / rel, _check_pickle(path / rel))
     _check_trainer_step(path, info["step"])
-    _check_rollouts_ahead(path, info)
     try:
-        records.load_config(path / CONFIG)
+        config = records.load_config(path / CONFIG, typed=True)
     except records.RecordError as e:
         raise CheckpointError(str(e)) from None
+    _check_rollouts_ahead(path, info, config)
 
 
 def _record(path: Path, record: records.Record) -> dict:
@@ -160,18 +200,39 @@ def _check_trainer_step(path: Path, step: int) -> None:
                               f"{saved}; the checkpoint's records disagree, not resumable")
 
 
-def _check_pickle(f: Path) -> None:
+def _check_pickle(f: Path):
     """A torch distributed checkpoint `.metadata` is a pickle: unpickle it with workers.safe_unpickle
     (only the classes checkpoint metadata needs), before any reader unpickles it for real."""
     from workers import safe_unpickle
 
     try:
         with open(f, "rb") as fh:
-            safe_unpickle.load(fh)
+            return safe_unpickle.load(fh)
     except safe_unpickle.Refused as e:
         raise CheckpointError(f"{f}: {e}; the checkpoint was not written by this launcher, nothing was run") from None
     except Exception as e:  # noqa: BLE001 - truncated or foreign bytes: the same user-facing problem
         raise CheckpointError(f"{f}: not torch checkpoint metadata ({type(e).__name__})") from None
+
+
+def _check_storage(f: Path, metadata) -> None:
+    """Every byte range the DCP metadata `f` names lies in a data file of its own folder: a `.distcp`
+    cut short (with a manifest rewritten to match) is named here, not met by a reader mid-load."""
+    sizes: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel, offset, length = getattr(info, "relative_path", None), getattr(info, "offset", None), \
+            getattr(info, "length", None)
+        if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", "..") \
+                or not all(isinstance(x, int) and x >= 0 for x in (offset, length)):
+            raise CheckpointError(f"{f}: names data {rel!r} at {offset}+{length}, not a file of {f.parent} and a "
+                                  f"byte range; not a checkpoint of this launcher")
+        if rel not in sizes:
+            data = f.parent / rel
+            if not data.is_file():
+                raise CheckpointError(f"{data}: missing ({f.name} names it)")
+            sizes[rel] = data.stat().st_size
+        if offset + length > sizes[rel]:
+            raise CheckpointError(f"{f.parent / rel}: {sizes[rel]} bytes, but {f.name} says its data runs to byte "
+                                  f"{offset + length} (cut short?); the checkpoint is damaged")
 
 
 # what a checkpoint's adapter/optimizer tensors depend on: resuming with any of these changed

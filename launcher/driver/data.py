@@ -71,7 +71,7 @@ def read(source: str, key: str, seed: int = 0):
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own 'Failed to load' line: ours is the one line
     if not is_file_source(source):
         return datasets.Dataset.from_list(BUILTIN[source](seed))
     path = Path(source)
@@ -107,6 +107,26 @@ def check_fields(ds, source: str, key: str, d: Data, need_answer: bool) -> None:
         if column.null_count:
             first = pc.index(pc.is_null(column), True).as_py()
             raise ConfigError(k, f"{where(source, first)} has no {name!r}")
+        wrong = _wrong_type(column.type, messages=k == "data.messages_key") if k != "data.answer_key" else None
+        if wrong:
+            raise ConfigError(k, f"{source}: field {name!r} holds {column.type}, {wrong}")
+
+
+def _wrong_type(t, messages: bool) -> str | None:
+    """What is wrong with the Arrow type of the prompt (text) or messages column (a list of
+    {role, content} texts), or None: the tokenizer gets these, in the job."""
+    import pyarrow as pa
+
+    text = (pa.types.is_string, pa.types.is_large_string)
+    if not messages:  # a number is encoded as its text; a list or an object would be its repr
+        plain = (*text, pa.types.is_integer, pa.types.is_floating)
+        return None if any(f(t) for f in plain) else "not text (a prompt is a string)"
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
+        return "not a list of messages ({\"role\": ..., \"content\": ...})"
+    fields = {t.value_type.field(i).name: t.value_type.field(i).type for i in range(t.value_type.num_fields)}
+    if not all(k in fields and any(f(fields[k]) for f in text) for k in ("role", "content")):
+        return "not a list of messages with text role and content"
+    return None
 
 
 def check(d: Data, need_answer: bool, submitting: bool) -> list[ConfigError]:

@@ -27,7 +27,7 @@ from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext
 from launcher.config.schema import Config, ConfigError
 from launcher.driver import advantages, metric_names as names, pipeline, rewards as rewards_mod
-from launcher.driver.checkpoints import CheckpointManager, check_compatible, size_of
+from launcher.driver.checkpoints import CheckpointManager, size_of
 from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary
 from launcher.driver.rollout import build_batch
@@ -139,8 +139,10 @@ class GrpoRun:
     # ------------------------------------------------------------------ the loop
     def resume(self) -> tuple[int, int, list[pipeline.RolloutResult]]:
         """Load the checkpoint `+resume` names: (its step, the data position, the rollouts it holds)."""
-        ckpt = self.ckpts.resolve(self.cfg.resume)
-        check_compatible(ckpt.path, self.cfg)
+        from launcher.driver import start_check
+
+        # what the launcher and the job's start checked (a retry of a finished run runs no step)
+        _, ckpt = start_check.resume(self.cfg, self.run_dir, finished_ok=True)
         info = ckpt.info()
         self.phase(progress.RESUME)
         restored = self.named_failures(self.trainers.load_state, str(ckpt.path / "trainer"))

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
-from launcher import logs, paths
+from launcher import logs, paths, shell
 from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext
 from launcher.config.schema import Config
@@ -40,9 +41,14 @@ def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event
     log(f"placement smoke: {len(report['actors'])} actors on their planned nodes in {report['seconds']}s")
     if cfg.run.job == "hold":
         release = ctx.run_dir / paths.RELEASE
-        log(f"holding the cluster: attach with RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={ctx.rendezvous / paths.TOKEN}; "
-            f"end with: touch {release}")
+        log(f"holding the cluster: {hold_hint(ctx.rendezvous / paths.TOKEN, release)}")
         while not release.exists() and not stop.is_set():
             time.sleep(1.0)
         release.unlink(missing_ok=True)
     return report
+
+
+def hold_hint(token: Path, release: Path) -> str:
+    """How to attach to a held cluster and end the hold: two commands to paste (launcher.shell)."""
+    env = f"{shell.assignment('RAY_AUTH_MODE', 'token')} {shell.assignment('RAY_AUTH_TOKEN_PATH', token)}"
+    return f"attach with: {env} ray status   end with: {shell.command('touch', release)}"

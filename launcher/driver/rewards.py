@@ -2,8 +2,12 @@
 
 `reward.fn` is a built-in (below), `pkg.module:function`, or `path/to/file.py:function`. A file is
 copied into `RUN/reward/` at submission and loaded from there, so a requeued job runs the same
-code. Calls run in `reward.workers` worker processes (launcher.driver.reward_pool) with a per-call
-timeout; an exception, a timeout or a non-finite value gives 0 for that sample with
+code. The user's code cannot end the launcher or a reward worker: at submission it is imported in
+a child process (`probe`: an import that exits, crashes or hangs is one line naming the file, and
+the launcher goes on), and importing it and calling it catch every exception, `SystemExit`
+included (Ctrl-C still interrupts). Calls run in `reward.workers` worker processes (launcher.driver.reward_pool)
+with a per-call timeout; an exception, a timeout, or a result that is not a finite real number (a
+string, an integer too large for a float, NaN) gives 0 for that sample with
 `reward.on_error=zero` (counted, the first traceback in `RUN/logs/reward_errors.log`), or stops the
 run with one line naming the record with `fail`.
 
@@ -27,6 +31,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import re
 import sys
 import traceback
@@ -131,18 +136,25 @@ def load(spec: str, answer_key: str = "answer", run_dir: Path | None = None) -> 
             module = importlib.util.module_from_spec(s)
             sys.modules[mod_name] = module
             s.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - the user's file: say what broke, in one line
-            raise ConfigError("reward.fn", f"cannot import {path}: {type(e).__name__}: {e}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the user's file (sys.exit included): what broke, in one line
+            raise ConfigError("reward.fn", f"cannot import {path}: {_what(e)}") from None
     elif ":" in spec:
         mod_name = spec.partition(":")[0]
         try:
             module = importlib.import_module(mod_name)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError("reward.fn", f"cannot import module {mod_name!r}: {type(e).__name__}: {e}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the user's module (sys.exit included)
+            raise ConfigError("reward.fn", f"cannot import module {mod_name!r}: {_what(e)}") from None
     else:
         raise ConfigError("reward.fn", f"{spec!r} is not a built-in ({', '.join(BUILTIN)}) nor "
                                        f"pkg.module:function nor path/to/file.py:function")
-    fn = getattr(module, name, None)
+    try:
+        fn = getattr(module, name, None)
+    except Exception as e:  # noqa: BLE001 - a module __getattr__ of the user's
+        raise ConfigError("reward.fn", f"{spec}: {_what(e)}") from None
     if fn is None:
         raise ConfigError("reward.fn", f"{spec}: the module has no {name!r}")
     if not callable(fn):
@@ -157,6 +169,36 @@ def load(spec: str, answer_key: str = "answer", run_dir: Path | None = None) -> 
     return fn
 
 
+def _what(e: BaseException) -> str:
+    """An exception of the user's code in one line (`SystemExit(3)` says it exited)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r}) (SystemExit): a reward module must not exit"
+    text = " | ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def as_reward(value) -> tuple[float | None, str]:
+    """(the value as a float, '') for a finite real number (int, float, bool, numpy's, a 0-d tensor
+    via __float__), else (None, why): a string, None, a list, an integer too large for a float, NaN."""
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        return None, f"returned {_short(value)} ({type(value).__name__}), not a number"
+    try:
+        out = float(value)
+    except Exception as e:  # noqa: BLE001 - OverflowError (10**400), a __float__ of the user's
+        return None, f"returned {_short(value)}, not a float ({type(e).__name__})"
+    if not math.isfinite(out):
+        return None, f"returned {out}, not a finite number"
+    return out, ""
+
+
+def _short(value) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - the user's __repr__
+        return type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check(r: Reward, submitting: bool) -> list[ConfigError]:
     errs = []  # timeout_s, workers, on_error: checked on their fields (launcher.config.schema.Reward)
     if r.fn == "math_verify" and importlib.util.find_spec("math_verify") is None:
@@ -164,11 +206,77 @@ def check(r: Reward, submitting: bool) -> list[ConfigError]:
     src = file_part(r.fn)
     if src is not None and not src.exists() and not submitting:
         return errs  # a dry run may plan for a filesystem this machine does not see
+    if r.fn in BUILTIN:
+        return errs
+    err = probe(r.fn)
+    return errs + ([err] if err is not None else [])
+
+
+# ---------------------------------------------------------------------------- loading it at submission
+IMPORT_TIMEOUT_S = 120.0   # what importing the user's module at submission may take
+
+
+def probe(spec: str, timeout_s: float = IMPORT_TIMEOUT_S) -> ConfigError | None:
+    """`load(spec)` in a child process (`python -m launcher.driver.rewards`, with this process's cwd
+    and sys.path): the user's module runs its import there, so nothing it does (sys.exit,
+    os._exit, a crash, a hang, a thread left running) can end or stop the launcher. The
+    ConfigError `load` gives, one for a child that ended without an answer or took longer than
+    `timeout_s`, or None."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    where = file_part(spec) or spec.partition(":")[0]
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.driver.rewards"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        load(r.fn)
+        out, err = proc.communicate(json.dumps({"spec": spec, "path": sys.path}), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return ConfigError("reward.fn", f"importing {where} took more than {timeout_s:g} s (stopped): a reward module "
+                                        f"must not block at import")
+    finally:  # its process group: whatever the module started goes with it (Ctrl-C here included)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    answer = out.rpartition(_ANSWER)[2].strip() if _ANSWER in out else ""
+    if answer:
+        got = json.loads(answer)
+        return None if got is None else ConfigError(got[0], got[1])
+    how = f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else \
+        f"exit code {proc.returncode}"
+    last = next((line.strip() for line in reversed(err.splitlines()) if line.strip()), "")
+    return ConfigError("reward.fn", f"importing {where} ended its process ({how}) before it was loaded"
+                                    f"{f' ({last[:200]})' if last else ''}: a reward module must not exit or crash "
+                                    f"at import")
+
+
+_ANSWER = "\n@@reward-probe@@ "
+
+
+def _probe_main() -> None:
+    """The child of `probe`: load the spec given on stdin, answer on stdout after a marker (the module's
+    own output goes to stderr), and end at once (no exit handler or thread of the module runs)."""
+    import json
+    import os
+
+    request = json.loads(sys.stdin.read())
+    sys.path[:] = request["path"]
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        load(request["spec"])
+        got = None
     except ConfigError as e:
-        errs.append(e)
-    return errs
+        got = [e.key, e.message]
+    except BaseException as e:  # noqa: BLE001 - the module's own KeyboardInterrupt (load passes it on)
+        got = ["reward.fn", f"cannot import {file_part(request['spec']) or request['spec']}: {_what(e)}"]
+    answer.write(_ANSWER + json.dumps(got) + "\n")
+    answer.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------- calling it
@@ -181,8 +289,8 @@ def init_worker(spec: str, answer_key: str, run_dir: str | None) -> None:
     global _FN, _LOAD_ERROR
     try:
         _FN = load(spec, answer_key, Path(run_dir) if run_dir else None)
-    except Exception as e:  # noqa: BLE001 - reported on each call
-        _LOAD_ERROR = f"{type(e).__name__}: {e}"
+    except BaseException as e:  # noqa: BLE001 - reported on each call (the worker stays up)
+        _LOAD_ERROR = _what(e)
 
 
 def call(response: str, example: dict) -> tuple:
@@ -191,15 +299,10 @@ def call(response: str, example: dict) -> tuple:
         return ("error", f"reward.fn could not be loaded: {_LOAD_ERROR}", _LOAD_ERROR or "")
     try:
         value = _FN(response, example)
-    except Exception as e:  # noqa: BLE001 - the user's code
-        return ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return ("error", f"returned {value!r}, not a number", "")
-    if not math.isfinite(value):
-        return ("error", f"returned {value}, not a finite number", "")
-    return ("ok", value)
+    except BaseException as e:  # noqa: BLE001 - the user's code: an exception or sys.exit scores as an error
+        return ("error", _what(e), traceback.format_exc())
+    out, why = as_reward(value)
+    return ("ok", out) if why == "" else ("error", why, "")
 
 
 class RewardFailed(Exception):
@@ -244,3 +347,7 @@ class Rewards:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+if __name__ == "__main__":  # launcher.driver.rewards.probe's child
+    _probe_main()

@@ -18,7 +18,7 @@ from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
-from launcher import files, paths
+from launcher import files, paths, shell
 from launcher.config.schema import Config
 from launcher.job import sbatch, slurm_job
 from launcher.paths import checkpoint_dirs
@@ -38,17 +38,24 @@ def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
 
 
 def active_job(run_dir: Path) -> tuple[str, str] | None:
-    """(job id, state) of a job recorded in submissions.jsonl that is still queued or running."""
+    """(job id, state) of a job recorded in submissions.jsonl that is still queued or running. The
+    record is read with the bounded reader (a line that is not a submission is skipped: it names no
+    job; the record's own checks are launcher.records')."""
+    from launcher.config import bounded
+
     try:
-        lines = (run_dir / paths.SUBMISSIONS).read_text().splitlines()[-5:]
-    except OSError:
+        lines = bounded.read_text(run_dir / paths.SUBMISSIONS, bounded.LIMITS["log"], "log").splitlines()[-5:]
+    except bounded.FileError:
         return None
     ids = []
     for line in lines:
         try:
-            ids.append(str(json.loads(line)["job_id"]))
-        except (ValueError, KeyError, TypeError):
+            row = bounded.parse_json(line, run_dir / paths.SUBMISSIONS, depth=8)
+        except bounded.FileError:
             continue
+        job = row.get("job_id") if isinstance(row, dict) else None
+        if isinstance(job, (str, int)) and not isinstance(job, bool) and str(job).strip():
+            ids.append(str(job))
     for job in reversed(dict.fromkeys(ids)):
         listed = slurm_job.queued(job)
         if listed is not None and listed[0] not in slurm_job.FINISHED:  # still owns the run dir
@@ -61,21 +68,25 @@ def _claim(cfg: Config, run_dir: Path, ckpts: Path) -> None:
     job = active_job(run_dir)
     if job is not None:
         raise ConfigError("run.name", f"{run_dir} belongs to job {job[0]} ({job[1]}), which reads its config.yaml "
-                                      f"when it starts or requeues; wait for it, scancel {job[0]}, or use "
-                                      f"run.name=<new name>")
+                                      f"when it starts or requeues; wait for it, {shell.command('scancel', job[0])}, "
+                                      f"or use run.name=<new name>")
     saved = run_dir / paths.CONFIG
     if cfg.resume is None and saved.is_file():
-        try:
-            before = (OmegaConf.load(saved).get("checkpointing") or {}).get("dir")
-        except Exception:  # noqa: BLE001 - an unreadable old config: the checks below still hold
+        from launcher.config import bounded
+
+        try:  # the bounded reader: a config.yaml of nested aliases hung here
+            before = ((bounded.yaml_file(saved) or {}).get("checkpointing") or {}).get("dir")
+        except (bounded.FileError, AttributeError):  # an unreadable old config: the checks below still hold
             return
+        if before is not None and (not isinstance(before, str) or paths.path_error("checkpointing.dir", before)):
+            return  # not a path this launcher writes: nothing of it is used or printed
         old = paths.absolute(before) if before else run_dir / "checkpoints"
         steps = sorted(p.name for p in old.glob("step_*")) if old != ckpts and old.is_dir() else []
         if steps:
             raise ConfigError("checkpointing.dir", f"{run_dir} is a run whose checkpoints are in {old} "
-                                                   f"({', '.join(steps[-3:])}); continue it with checkpointing.dir="
-                                                   f"{before or 'null'} +resume=latest, or start fresh with "
-                                                   f"run.name=<new name>")
+                                                   f"({', '.join(steps[-3:])}); continue it with "
+                                                   f"{shell.override('checkpointing.dir', before)} +resume=latest, or "
+                                                   f"start fresh with run.name=<new name>")
 
 
 IN_USE = paths.IN_USE  # flock'ed by the process of a local run while it lives (see hold)
@@ -102,10 +113,13 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
-            who = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        except ValueError:
+        from launcher.config import bounded
+
+        try:  # written by the run holding the lock: 4 KiB at most, an object of three fields
+            who = bounded.parse_json(os.pread(fd, 4096, 0) or b"{}", path, depth=2)
+        except bounded.FileError:
             who = {}
+        who = who if isinstance(who, dict) else {}
         os.close(fd)
         raise ConfigError("run.name", f"{run_dir} is in use by a run on this machine (pid {who.get('pid', '?')} on "
                                       f"{who.get('host', '?')}, started {who.get('time', '?')}); wait for it, stop "
@@ -121,24 +135,22 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
 
 def check(cfg: Config, run_dir: Path) -> tuple:
     """Every refusal of a submission on this run directory, writing nothing: another job or a local
-    run uses it, its checkpoints live elsewhere, it holds checkpoints and this is not a resume, the
-    checkpoint to resume is unusable (its files and records) or the run is done. A sweep checks
-    every point before it writes any. Returns (the checkpoint folder, the resume's manager and
-    checkpoint, or None)."""
-    ckpts = checkpoint_dirs(cfg, run_dir)
-    _claim(cfg, run_dir, ckpts)
-    resumed = None
-    if cfg.resume is not None:
-        from launcher.driver.checkpoints import CheckpointManager, check_compatible, nothing_left
+    run uses it, its checkpoints live elsewhere, it holds checkpoints and this is not a resume, or
+    anything the job would refuse when it starts (launcher.driver.start_check: the checkpoint to
+    resume, its records and schedule, the run done). A sweep checks every point before it writes
+    any. Returns (the checkpoint folder, the resume's manager and checkpoint, or None)."""
+    from launcher.driver import start_check  # torch-free: what the job checks when it starts, run here first
 
-        manager = CheckpointManager(ckpts, cfg.checkpointing)
-        ckpt = manager.resolve(cfg.resume)  # a one-line error if unusable
-        check_compatible(ckpt.path, cfg)
-        if nothing_left(cfg, ckpt.step):
-            raise ConfigError("grpo.max_num_steps", f"{ckpt.path} is at step {ckpt.step}: the run has done its "
-                                                    f"{cfg.grpo.max_num_steps} steps; to train on, resume with "
-                                                    f"grpo.max_num_steps=N above {ckpt.step}")
-        resumed = (manager, ckpt)
+    ckpts = checkpoint_dirs(cfg, run_dir)
+    for key, d in (("run.name", run_dir), ("checkpointing.dir", ckpts)):  # links followed: the folder it is
+        try:
+            err = files.not_yours(d)
+        except (OSError, RuntimeError) as e:  # a name too long, a symlink loop
+            raise ConfigError(key, f"{d}: {paths.os_error_text(e)}") from None
+        if err is not None:
+            raise ConfigError(key, str(err))
+    _claim(cfg, run_dir, ckpts)
+    resumed = start_check.check(cfg, run_dir)  # the same function the job runs before Ray (bootstrap)
     existing = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if existing and cfg.resume is None:
         raise ConfigError("run.name", f"{run_dir} already holds checkpoints ({', '.join(existing[-3:])}); "
@@ -158,7 +170,7 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
         for d in (run_dir, run_dir / paths.LOGS, ckpts):  # also a run dir written before with wider modes:
             files.make_dir(d, policy)  # what is inside (the job's logs, checkpoints, ...) is reachable only through it
     except OSError as e:
-        raise ConfigError("run.root", f"cannot create {run_dir}: {e.strerror}") from None
+        raise ConfigError("run.root", f"cannot create {run_dir}: {paths.os_error_text(e)}") from None
     hold(cfg, run_dir, keep=runs_here and spec is None and cfg.submit)  # before anything in it changes
     if resumed is not None:  # before the job can start or requeue: it must see only this branch
         manager, ckpt = resumed
@@ -181,7 +193,8 @@ def written(run_dir: Path, spec: sbatch.JobSpec | None) -> str:
     if spec is None:
         return (f"wrote {run_dir} (config.yaml, plan.txt); nothing was run (submit=false). Run it on this "
                 f"machine with the same command and submit=true")
-    return f"wrote {run_dir} (config.yaml, plan.txt, ray_job.sbatch); submit it with:\n  sbatch {run_dir}/ray_job.sbatch"
+    return (f"wrote {run_dir} (config.yaml, plan.txt, ray_job.sbatch); submit it with:\n  "
+            f"{shell.command('sbatch', run_dir / paths.SBATCH_SCRIPT)}")
 
 
 def resume_note(cfg: Config, run_dir: Path) -> str | None:

@@ -123,12 +123,13 @@ def test_resume_with_dynamic_sampling_and_validation_equals_the_uninterrupted_ru
 
 
 def test_messages_need_a_chat_template_one_line(user_files, tmp_path):
-    """A tokenizer without a chat template cannot render a record's messages: one line, exit 1."""
+    """A tokenizer without a chat template cannot render a record's messages: the job would refuse it
+    at start, so the submission does (launcher.config.job_limits), one line, exit 2, nothing started."""
     msgs = write_jsonl(tmp_path / "chats.jsonl", [{"msgs": [{"role": "user", "content": "say 4 ."}], "answer": "4"}])
     p = subprocess.run([PY, "-m", "launcher", f"run.root={tmp_path}", f"data.train={msgs}", "data.messages_key=msgs",
                         "reward.fn=exact_match", "grpo.max_num_steps=1", "logging.tensorboard=false"],
                        capture_output=True, text=True, timeout=600)
-    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
-    assert ("error: data: data.messages_key: needs a tokenizer with a chat template (and data.chat_template=auto); "
-            "this tokenizer has none: use data.prompt_key") in p.stderr
-    assert "Traceback" not in p.stderr
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stderr == ("error: data.messages_key: needs the tokenizer's chat template to encode the messages, and "
+                        "the built-in model tiny_llama has none; use data.prompt_key\n")
+    assert not (tmp_path / "local-tiny_llama").exists()

@@ -230,6 +230,25 @@ def test_run_names_carry_the_swept_values():
                                                          "slurm_2n-tiny_llama-peft_dim8-x_dim2"]
 
 
+def test_names_never_hold_a_value_that_may_be_a_secret(sandbox, capsys):
+    """Run names become `#SBATCH --job-name`, which `squeue` shows every user: a swept slurm.setup (shell
+    lines with tokens), an assignment or a value naming a token is left out of the name (which of
+    the key's values it is instead) and out of what the sweep prints; other values stay."""
+    sweep = ["slurm.setup=['export HF_TOKEN=hf_abc123'],['export HF_TOKEN=hf_def456']",
+             "+slurm.extra_sbatch.comment='WANDB_KEY=k1',plain"]
+    assert names(sweep) == ["slurm_2n-tiny_llama-setup_v1-comment_v1", "slurm_2n-tiny_llama-setup_v1-comment_plain",
+                            "slurm_2n-tiny_llama-setup_v2-comment_v1", "slurm_2n-tiny_llama-setup_v2-comment_plain"]
+    rc = main(["-m", "topology=slurm_2n", "submit=false", f"run.root={sandbox / 'runs'}", *sweep])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    for secret in ("hf_abc123", "hf_def456", "k1"):
+        assert secret not in out.out + out.err
+        for script in (sandbox / "runs").glob("*/ray_job.sbatch"):
+            job_name = next(x for x in script.read_text().splitlines() if x.startswith("#SBATCH --job-name="))
+            assert secret not in job_name
+    assert "<value 2 of the sweep>" in out.out
+
+
 def test_run_names_are_one_safe_path_component_and_unique():
     got = names(["+slurm.extra_sbatch.comment='a/b','a b','a%b','../x'"])
     assert got == ["slurm_2n-tiny_llama-comment_a_b-p0", "slurm_2n-tiny_llama-comment_a_b-p1",

@@ -33,6 +33,8 @@ def files(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"question": "a"}\n{"question": \n')
     (tmp_path / "q.txt").write_text("hello\n")
     (tmp_path / "q.csv").write_text("question,solution\nsay 1 .,1\n,2\n")
+    write_jsonl(tmp_path / "m.jsonl", [{"messages": "say 1 .", "answer": "1"}])    # a string, not messages
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": {"text": "say 1 ."}, "answer": "1"}])   # an object, not text
     return {"good": good, "holes": holes, "dir": tmp_path}
 
 
@@ -54,6 +56,11 @@ def files(tmp_path):
      "data.messages_key: {dir}/q.jsonl has no field 'msgs'; its fields: question, solution"),
     (["data.train=say_number", "data.validation={dir}/q.jsonl", "grpo.val_period=2"],
      "data.prompt_key: {dir}/q.jsonl has no field 'prompt'; its fields: question, solution"),
+    (["data.train={dir}/m.jsonl", "data.messages_key=messages", "reward.fn=exact_match"],
+     "data.messages_key: {dir}/m.jsonl: field 'messages' holds string, not a list of messages ({{\"role\": ..., "
+     "\"content\": ...}})"),
+    (["data.train={dir}/p.jsonl", "reward.fn=exact_match"],
+     "data.prompt_key: {dir}/p.jsonl: field 'prompt' holds struct<text: string>, not text (a prompt is a string)"),
     (["grpo.val_period=2"], "grpo.val_period: validation needs data.validation=PATH (or a built-in set)"),
     (["data.chat_template=yes"], "data.chat_template: must be auto or none, got 'yes'"),
     (["data.max_prompt_tokens=600"], "data.max_prompt_tokens: must be at most max_total_sequence_length - "
@@ -73,6 +80,15 @@ def test_bad_data_is_one_line(files, overrides, message):
 def test_unreadable_file_names_it(files):
     (err,) = errors(f"data.train={files['dir']}/broken.jsonl", "data.prompt_key=question", "reward.fn=exact_match")
     assert err.startswith(f"data.train: cannot read {files['dir']}/broken.jsonl as json: ") and "\n" not in err
+
+
+def test_an_unreadable_file_is_the_only_line_on_stderr(files, tmp_path, capfd):
+    """HF datasets logs its own 'Failed to load JSON' line for a cut file: ours is the one line."""
+    broken = files["dir"] / "broken.jsonl"
+    assert main([f"run.root={tmp_path / 'runs'}", f"data.train={broken}", "data.prompt_key=question",
+                 "reward.fn=exact_match"]) == 2
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith(f"error: data.train: cannot read {broken} as json: "), line
 
 
 def test_a_user_reward_needs_no_answer_field(files, tmp_path):

@@ -56,10 +56,15 @@ def make_checkpoint(base, tmp_path):
     return make
 
 
+def out_of(checkpoint) -> Path:
+    """Where a test exports RUN/checkpoints/step_N: RUN/adapter (never inside a run's checkpoints)."""
+    return Path(checkpoint).parents[1] / "adapter"
+
+
 def run_export(capsys, checkpoint, *extra) -> tuple[int, str, str]:
     from launcher.export import main
 
-    rc = main(["--checkpoint", str(checkpoint), "--out", str(Path(checkpoint).parent / "out"), *extra])
+    rc = main(["--checkpoint", str(checkpoint), "--out", str(out_of(checkpoint)), *extra])
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 
@@ -161,11 +166,11 @@ def test_missing_base_model(capsys, make_checkpoint, tmp_path):
 def test_cli_process_refuses_with_one_line_and_code_2(make_checkpoint):
     ckpt = make_checkpoint(with_optimizer(attention_lora()), "peft.dim=16")
     proc = subprocess.run([sys.executable, "-m", "launcher.export", "--checkpoint", str(ckpt), "--out",
-                           str(ckpt.parent / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           str(out_of(ckpt))], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [f"error: rank mismatch: decoder.layers.0.self_attention.linear_proj has LoRA "
                                         f"rank 8 but {ckpt}/config.yaml says peft.dim=16"]
-    assert not (ckpt.parent / "out").exists()
+    assert not out_of(ckpt).exists()
 
 
 def test_exporter_module_imports_no_torch():
@@ -215,7 +220,7 @@ def test_a_mamba_in_proj_b_stored_in_parts_is_joined_in_hf_row_order(capsys, mak
         f"{prefix}.linear_out.weight.{name}": t for name, t in reversed(list(parts.items()))}})
     rc, out, err = run_export(capsys, ckpt, "--base-model", str(tiny_model("tiny_nemotron_h")))
     assert (rc, err) == (0, ""), err
-    tensors = load_file(str(Path(ckpt).parent / "out" / "adapter_model.safetensors"))
+    tensors = load_file(str(out_of(ckpt) / "adapter_model.safetensors"))
     assert sorted(tensors) == ["base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight",
                                "base_model.model.backbone.layers.0.mixer.in_proj.lora_B.weight"]
     assert torch.equal(tensors["base_model.model.backbone.layers.0.mixer.in_proj.lora_B.weight"],
@@ -260,3 +265,68 @@ def test_a_base_of_another_latent_width_is_refused_and_mtp_layers_do_not_matter(
                    f"family_facts.moe_latent_size 0 -> 32 (wrong --base-model?)")
     rc, out, err = run_export(capsys, ckpt, "--base-model", str(mtp))
     assert rc == 0, err
+
+
+# ------------------------------------------------------------------------------ round three (docs/security.md)
+def _forged(ckpt: Path, edit) -> Path:
+    """`edit` on a checkpoint, its manifest rewritten to match (what anyone who can write it can do)."""
+    from tests.helpers.checkpoints import rewrite_manifest
+
+    edit(ckpt)
+    rewrite_manifest(ckpt)
+    return ckpt
+
+
+def test_a_cut_trainer_file_with_a_matching_manifest(capsys, make_checkpoint):
+    """A `.distcp` cut short and a manifest rewritten to match: named from the DCP metadata's byte
+    ranges before any reader meets the end of the file (it was a CheckpointException traceback)."""
+    ckpt = make_checkpoint(attention_lora())
+    data = next((ckpt / "trainer").glob("*.distcp"))
+    _forged(ckpt, lambda c: data.write_bytes(data.read_bytes()[:100]))
+    rc, out, err = run_export(capsys, ckpt)
+    assert (rc, out) == (2, "") and err.startswith(f"error: {data}: 100 bytes, but .metadata says its data runs to "
+                                                   f"byte ") and err.count("\n") == 1, err
+
+
+def test_a_config_of_nested_aliases_is_refused_at_once(capsys, make_checkpoint):
+    """YAML aliases expand exponentially (9 levels of 9: 387 million nodes) and hung the exporter:
+    the config is read without aliases (launcher.config.bounded)."""
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+    ckpt = make_checkpoint(attention_lora())
+    _forged(ckpt, lambda c: (c / "config.yaml").write_text((c / "config.yaml").read_text() + "bomb:\n" + "".join(
+        "  " + line + "\n" for line in bomb.splitlines())))
+    rc, out, err = run_export(capsys, ckpt)
+    assert (rc, out) == (2, "") and err.startswith(f"error: {ckpt}/config.yaml: an alias (*a) at line "), err
+
+
+def test_a_forged_run_name_never_reaches_the_serve_line(capsys, make_checkpoint):
+    """The adapter's default name comes from the checkpoint's run.name: it passes the run-name rule where
+    the config is read, so `vllm serve ... --lora-modules NAME=DIR` pasted runs nothing else."""
+    ckpt = make_checkpoint(attention_lora())
+    _forged(ckpt, lambda c: (c / "config.yaml").write_text((c / "config.yaml").read_text().replace(
+        "name: err", "name: 'x;touch /tmp/i34-pwned;#'", 1)))
+    assert_refused(run_export(capsys, ckpt), f"{ckpt}/config.yaml: run.name: must be one path component of letters, "
+                                             f"digits and . _ + - (starting with a letter or digit, at most 128 "
+                                             f"characters); got 'x;touch /tmp/i34-pwned;#'")
+
+
+@pytest.mark.parametrize("where", ["in-it", "deeper", "beside-it", "another-runs"])
+def test_out_inside_a_checkpoint_is_refused(capsys, make_checkpoint, tmp_path, where):
+    """`--out` inside the checkpoint it reads wrote files no manifest lists: the checkpoint could no
+    longer be exported or resumed. Refused before anything is read, inside any run's checkpoints too."""
+    ckpt = make_checkpoint(attention_lora())
+    before = sorted(p.name for p in ckpt.iterdir())
+    other = tmp_path / "other-run"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.yaml").write_text("run: {}\n")
+    out, inside = {"in-it": (ckpt / "adapter", ckpt), "deeper": (ckpt / "trainer" / "a", ckpt),
+                   "beside-it": (ckpt.parent / "adapter", ckpt.parent),
+                   "another-runs": (other / "checkpoints" / "adapter", other / "checkpoints")}[where]
+    from launcher.export import main
+
+    rc = main(["--checkpoint", str(ckpt), "--out", str(out)])
+    assert (rc, capsys.readouterr().err) == (2, f"error: --out {out}: inside {inside}, a run's checkpoints (they "
+                                                f"hold only what the run writes: an export there makes them "
+                                                f"unusable); give a directory outside it\n")
+    assert sorted(p.name for p in ckpt.iterdir()) == before and not out.exists()

@@ -147,3 +147,46 @@ def test_an_export_is_written_with_the_checkpoint_runs_modes(sandbox, shared, ti
     assert export.main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0, capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     walk(sandbox / "adapters", shared)
+
+
+# ------------------------------------------------------------------------------ modes through links (round three)
+def test_a_run_directory_that_is_a_link_gets_the_policy_on_the_folder_it_leads_to(sandbox, shared, capsys):
+    """RUN is a symlink to a world-writable folder of yours: its modes are set on that folder (before,
+    the link was skipped and the folder kept 0777: anyone could replace ray_job.sbatch), and the
+    files holding secrets get the policy's mode, not the folder's group bits."""
+    world = sandbox / "world"
+    world.mkdir()
+    world.chmod(0o777)
+    (sandbox / "runs").mkdir()
+    (sandbox / "runs" / "lnk").symlink_to(world)
+    rc = cli.main([*SLURM, "submit=false", f"run.root={sandbox / 'runs'}", "run.name=lnk", flag(shared), SECRET])
+    assert rc == 0, capsys.readouterr().err
+    assert {"checkpoints", "config.yaml", "logs", "ray_job.sbatch"} <= {p.name for p in walk(world, shared)}
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a folder another user owns needs root")
+def test_a_run_directory_another_user_owns_is_refused(sandbox, capsys):
+    theirs = sandbox / "theirs"
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    os.chown(theirs, 65534, 65534)
+    (sandbox / "runs").mkdir()
+    (sandbox / "runs" / "x").symlink_to(theirs)
+    assert cli.main([*SLURM, "submit=false", f"run.root={sandbox / 'runs'}", "run.name=x", SECRET]) == 2
+    assert capsys.readouterr().err == (f"error: run.name: {sandbox / 'runs' / 'x'} (a link to {theirs}) belongs to "
+                                       f"user id 65534, not to you: they could replace what the run writes there\n")
+    assert list(theirs.iterdir()) == []
+
+
+@pytest.mark.parametrize("folder_mode,shared", [(0o700, False), (0o750, True), (0o755, False), (0o777, False),
+                                                (0o770, False), (0o2750, True)])
+def test_a_folder_passes_on_the_shared_policy_only_when_it_has_that_policy(tmp_path, folder_mode, shared):
+    """launcher.files writes into an existing folder with the policy of that folder: the shared one only
+    from a folder that has exactly the shared policy's bits, never wider ones from a folder it did not make."""
+    from launcher import files
+
+    d = tmp_path / "d"
+    d.mkdir()
+    d.chmod(folder_mode)
+    files.write(d / "secret.yaml", "token: x\n")
+    assert mode(d / "secret.yaml") == (0o640 if shared else 0o600)

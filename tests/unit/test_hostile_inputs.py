@@ -114,6 +114,93 @@ def _index(*shards: str) -> str:
     return json.dumps({"metadata": {"total_size": 1}, "weight_map": {f"t{i}": s for i, s in enumerate(shards)}})
 
 
+def _header(raw: bytes) -> Callable[[Path], None]:
+    """model.safetensors' header replaced by `raw` (the 8-byte length written to match), data kept."""
+    def forge(d: Path) -> None:
+        import struct
+
+        f = d / "model.safetensors"
+        data = f.read_bytes()
+        n = struct.unpack("<Q", data[:8])[0]
+        f.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    return forge
+
+
+def _forged_model(name: str, *forge: Callable[[Path], None], **kw) -> Callable[[Path], None]:
+    def setup(sandbox: Path) -> None:
+        _model(name, **kw)(sandbox)
+        for f in forge:
+            f(sandbox / "models" / name)
+    return setup
+
+
+def _rope(rope: dict, theta: float = 10000.0) -> str:
+    return json.dumps({**TINY_LLAMA, "rope_parameters": {"rope_theta": theta, **rope}})
+
+
+def _sentencepiece(cut: bool) -> Callable[[Path], None]:
+    """A tokenizer.model trained with sentencepiece itself (a serialized ModelProto), whole or cut in half."""
+    def forge(d: Path) -> None:
+        import sentencepiece as spm
+
+        text = d / "corpus.txt"
+        text.write_text("say numbers between ten and forty .\n" * 50 + "what is twelve plus twenty five ?\n" * 50)
+        spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(d / "tokenizer"), vocab_size=30,
+                                       minloglevel=2)
+        text.unlink()
+        (d / "tokenizer.vocab").unlink()
+        if cut:
+            data = (d / "tokenizer.model").read_bytes()
+            (d / "tokenizer.model").write_bytes(data[: len(data) // 2])
+    return forge
+
+
+def _ckpt_files(run: str, edit: Callable[[Path], None]) -> Callable[[Path], None]:
+    """A complete checkpoint RUN/checkpoints/step_5, then `edit` on it and its manifest rewritten to match."""
+    def setup(sandbox: Path) -> None:
+        from tests.helpers.checkpoints import rewrite_manifest
+
+        _ckpt(run, 5)(sandbox)
+        final = sandbox / "runs" / run / "checkpoints" / "step_5"
+        edit(final)
+        rewrite_manifest(final)
+    return setup
+
+
+def _cut_distcp(ckpt: Path) -> None:
+    f = sorted((ckpt / "trainer").glob("*.distcp"))[0]
+    f.write_bytes(f.read_bytes()[:100])
+
+
+def _config_edit(old: str, new: str) -> Callable[[Path], None]:
+    def edit(ckpt: Path) -> None:
+        text = (ckpt / "config.yaml").read_text()
+        assert old in text
+        (ckpt / "config.yaml").write_text(text.replace(old, new, 1))
+    return edit
+
+
+_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+
+
+def _append_bomb(ckpt: Path) -> None:
+    """Nested YAML aliases: 9 levels of 9, hundreds of millions of nodes once expanded."""
+    text = (ckpt / "config.yaml").read_text()
+    (ckpt / "config.yaml").write_text(text + "bomb:\n" + "".join("  " + line + "\n" for line in _BOMB.splitlines()))
+
+
+def _file(name: str, text: str) -> Callable[[Path], None]:
+    def setup(sandbox: Path) -> None:
+        (sandbox / name).parent.mkdir(parents=True, exist_ok=True)
+        (sandbox / name).write_text(text)
+    return setup
+
+
+def _loop(sandbox: Path) -> None:
+    (sandbox / "loop").symlink_to(sandbox / "loop")
+
+
 CASES = [
     # 1: paths from the config are one safe component / absolute once
     Case("name-dotdot", ["run.name=../conf", "submit=false", *SLURM], 2, "run.name: must be one path component",
@@ -295,6 +382,109 @@ CASES = [
       ]],
     Case("model-complete-passes", ["model.path={sandbox}/models/ok", *SLURM, "submit=false"], 0, "",
          setup=_model("ok")),
+    # round three (docs/security.md): every file from outside the run is read with limits and its fields'
+    # types (launcher/config/bounded.py); what the job's components refuse is refused at submission
+    *[Case(f"model-{name}", [f"model.path={{sandbox}}/models/{name}", *SLURM, "submit=false"], 2,
+           f"model.path: {{sandbox}}/models/{name}{message}", setup=setup(name))
+      for name, setup, message in [
+          ("header-text-offsets", lambda n: _forged_model(n, _header(
+              b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [255, 128], '
+              b'"data_offsets": ["0", "130560"]}}')),
+           "/model.safetensors: tensor 'model.embed_tokens.weight': data_offsets must be two integers"),
+          ("header-deep", lambda n: _forged_model(n, _header(b'{"__metadata__": ' + b"[" * 100000 + b"]" * 100000
+                                                             + b"}")),
+           "/model.safetensors: not a safetensors file (its header: nested more than 3 levels deep)"),
+          ("header-entry-a-list", lambda n: _forged_model(n, _header(b'{"model.embed_tokens.weight": [0, 8]}')),
+           "/model.safetensors: tensor 'model.embed_tokens.weight': must be an object with dtype, shape and "
+           "data_offsets, got list"),
+          ("header-unknown-dtype", lambda n: _forged_model(n, _header(
+              b'{"model.embed_tokens.weight": {"dtype": "F33", "shape": [255, 128], "data_offsets": [0, 130560]}}')),
+           "/model.safetensors: tensor 'model.embed_tokens.weight': dtype must be one of safetensors'"),
+          ("header-size-mismatch", lambda n: _forged_model(n, _header(
+              b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [255, 129], "data_offsets": [0, 130560]}}')),
+           "/model.safetensors: tensor 'model.embed_tokens.weight': data_offsets [0, 130560] hold 130560 bytes, "
+           "its shape [255, 129] of F32 needs 131580"),
+          ("index-deep", lambda n: _model(n, extra={"model.safetensors.index.json": "[" * 5000 + "]" * 5000}),
+           "/model.safetensors.index.json: not a safetensors index (nested more than 64 levels deep)"),
+          ("config-nan", lambda n: _model(n, extra={"config.json": json.dumps(TINY_LLAMA)[:-1] + ', "x": NaN}'}),
+           "/config.json: not valid JSON (NaN is not JSON)"),
+          ("tokenizer-json-cut", lambda n: _forged_model(n, lambda d: (d / "tokenizer.json").write_text(
+              json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}}})[:30])),
+           "/tokenizer.json: not valid JSON"),
+          ("tokenizer-config-cut", lambda n: _model(n, extra={"tokenizer_config.json": '{"model_max_length": 10'}),
+           "/tokenizer_config.json: not valid JSON"),
+          ("tokenizer-model-cut", lambda n: _forged_model(n, _sentencepiece(cut=True), drop=("tokenizer.json",)),
+           "/tokenizer.model: not a whole protobuf message"),
+          ("merges-not-text", lambda n: _forged_model(n, lambda d: (d / "merges.txt").write_bytes(b"\xff\xfe\x00"),
+                                                      extra={"vocab.json": "{}"}, drop=("tokenizer.json",)),
+           "/merges.txt: not UTF-8 text"),
+          ("rope-a-list", lambda n: _model(n, extra={"config.json": _rope({
+              "rope_type": "llama3", "factor": 8.0, "low_freq_factor": [1.0], "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192})}),
+           "/config.json: rope_scaling.low_freq_factor must be a finite number, got [1.0]"),
+          ("rope-factor-negative", lambda n: _model(n, extra={"config.json": _rope({
+              "rope_type": "yarn", "factor": -2.0, "original_max_position_embeddings": 256})}),
+           "/config.json: rope_scaling.factor must be more than 0"),
+          ("rope-attention-factor-list", lambda n: _model(n, extra={"config.json": _rope({
+              "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "attention_factor": [1]})}),
+           "/config.json: rope_scaling.attention_factor must be a finite number, got [1]"),
+          ("rope-parameters-a-list", lambda n: _model(n, extra={"config.json": json.dumps(
+              {**TINY_LLAMA, "rope_parameters": [10000.0, 2.0]})}),
+           "/config.json: rope_parameters must be an object or null, got [10000.0, 2.0]"),
+          ("length-key-a-string", lambda n: _model(n, extra={"config.json": json.dumps(
+              {**TINY_LLAMA, "model_max_length": "2048"})}),
+           "/config.json: model_max_length must be a number (vLLM takes the model's context length from it), "
+           "got '2048'"),
+          ("generation-config-cut", lambda n: _model(n, extra={"generation_config.json": '{"temperature": '}),
+           "/generation_config.json: not valid JSON"),
+          ("chat-template-json-cut", lambda n: _model(n, extra={"chat_template.json": '{"chat_template": "{{'}),
+           "/chat_template.json: not valid JSON"),
+          ("chat-template-jinja-not-text", lambda n: _forged_model(
+              n, lambda d: (d / "chat_template.jinja").write_bytes(b"{{ messages \xff\xfe")),
+           "/chat_template.jinja: not UTF-8 text"),
+      ]],
+    Case("model-rope-theta-zero", ["model.path={sandbox}/models/t0", *SLURM, "submit=false"], 2,
+         "model.rope_theta: must be more than 0 or null, got 0.0",
+         setup=_model("t0", extra={"config.json": _rope({"rope_type": "default"}, theta=0.0)})),
+    Case("model-sentencepiece-whole-passes", ["model.path={sandbox}/models/sp", *SLURM, "submit=false"], 0, "",
+         setup=_forged_model("sp", _sentencepiece(cut=False), drop=("tokenizer.json",))),
+    Case("positions", ["grpo.max_total_sequence_length=4096"], 2,
+         "grpo.max_total_sequence_length: must be at most the model's 1024 positions"),
+    Case("temperature-under-vllms-floor", ["grpo.temperature=1e-4"], 2, "grpo.temperature: must be at least 0.01"),
+    Case("timeout-overflows-timedelta", ["+refit.timeout_s=1e20"], 2, "refit.timeout_s: must be in [1, 604800]"),
+    Case("interpolation-names-its-override", ["run.name=${oops}"], 2, "run.name: Interpolation key 'oops' not found"),
+    Case("interpolation-of-a-number", ["grpo.max_num_steps=${oc.env:I34_NOT_SET}"], 2, "grpo.max_num_steps: "),
+    Case("root-name-too-long", ["run.root={sandbox}/" + "a" * 300, "submit=false"], 2,
+         "run.root: {sandbox}/" + "a" * 300 + ": File name too long"),
+    Case("root-symlink-loop", ["run.root={sandbox}/loop/runs", "submit=false"], 2,
+         "run.root: {sandbox}/loop/runs: Too many levels of symbolic links", setup=_loop),
+    Case("model-symlink-loop", ["model.path={sandbox}/loop/m", "submit=false"], 2,
+         "model.path: {sandbox}/loop/m: Too many levels of symbolic links", setup=_loop),
+    Case("data-symlink-loop", ["data.train={sandbox}/loop/t.jsonl", "submit=false"], 2,
+         "data.train: {sandbox}/loop/t.jsonl: Too many levels of symbolic links", setup=_loop),
+    Case("reward-exits-at-import", ["reward.fn={sandbox}/exits.py:score", "submit=false"], 2,
+         "reward.fn: cannot import {sandbox}/exits.py: it called sys.exit(0) (SystemExit)",
+         setup=_file("exits.py", "import sys\nsys.exit(0)\n\ndef score(response, example):\n    return 1.0\n")),
+    Case("reward-raises-a-base-exception-at-import", ["reward.fn={sandbox}/gen.py:score", "submit=false"], 2,
+         "reward.fn: cannot import {sandbox}/gen.py: GeneratorExit",
+         setup=_file("gen.py", "raise GeneratorExit\n")),
+    Case("reward-ends-its-process-at-import", ["reward.fn={sandbox}/ends.py:score", "submit=false"], 2,
+         "reward.fn: importing {sandbox}/ends.py ended its process (exit code 0) before it was loaded: a reward "
+         "module must not exit or crash at import",
+         setup=_file("ends.py", "import os\nos._exit(0)\n")),
+    # records of a run directory read with limits: a fresh submission over them goes on (no hang, no traceback)
+    Case("run-dir-config-of-aliases", ["run.name=y", *SLURM, "submit=false"], 0, "",
+         setup=_file("runs/y/config.yaml", "checkpointing:\n  dir: null\n" + _BOMB)),
+    Case("run-dir-submissions-deep", ["run.name=z", *SLURM, "submit=false"], 0, "",
+         setup=_file("runs/z/submissions.jsonl", "[" * 5000 + "]" * 5000 + "\n")),
+    *[Case(f"forged-checkpoint-{name}", ["run.name=k", "+resume=latest", *SLURM, "submit=false"], 2,
+           "resume: {root}/k/checkpoints/step_5/" + message, setup=_ckpt_files("k", edit))
+      for name, edit, message in [
+          ("run-name", _config_edit("name: slurm_3n-tiny_llama", "name: 'x;touch /tmp/i34-pwned;#'"),
+           "config.yaml: run.name: must be one path component"),
+          ("aliases", _append_bomb, "config.yaml: an alias (*a) at line"),
+          ("cut-distcp", _cut_distcp, "trainer/__0_0.distcp: 100 bytes, but .metadata says its data runs to byte"),
+      ]],
 ]
 
 
@@ -530,8 +720,7 @@ def test_the_job_checks_the_checkpoint_to_resume_before_ray(sandbox, monkeypatch
 
     _ckpt("g", 5)(sandbox)
     run = sandbox / "runs" / "g"
-    assert cli.main([*SLURM, "submit=false", "run.name=g", f"run.root={sandbox / 'runs'}", "+resume=step_5",
-                     "grpo.max_num_steps=10"]) == 0
+    assert cli.main([*SLURM, "submit=false", "run.name=g", f"run.root={sandbox / 'runs'}", "+resume=step_5"]) == 0
     ckpt = run / "checkpoints" / "step_5"
     (ckpt / "training_info.json").write_text(json.dumps({"step": 5, "consumed_prompts": -1}))
     rewrite_manifest(ckpt)

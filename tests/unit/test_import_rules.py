@@ -5,7 +5,8 @@ both directions:
 - no cycle among the project's modules (`from pkg import mod` runs pkg/__init__.py: it counts);
 - backward: a stage imports from an earlier stage only the data every stage shares: the config
   (launcher/config/), the plan (plan.py, memory.py, activations.py, refit_cost.py) and SHARED (paths, files,
-  records, logs, progress, the JobContext in cluster/context.py, the metric names in driver/metric_names.py);
+  records, logs, progress, the printed commands in shell.py, the JobContext in cluster/context.py, the metric
+  names in driver/metric_names.py);
 - forward: a stage imports a later stage only inside a function, at the hand-off (the submission
   names the bootstrap, the bootstrap the driver's job kinds): importing a stage never loads a
   later one. One exception, the SEAM: the driver imports workers/contracts.py (the Protocols and
@@ -14,8 +15,10 @@ both directions:
   checkers), so importing the driver still loads no worker code;
 - the SHARED modules import only the config, the plan and each other;
 - the COMMANDS (the entry points a user runs) may import any stage; no stage imports a command;
-- workers/ import from launcher/ only its config schema (the sections and their allowed values)
-  and the one reader of a checkpoint's facts (launcher/config/model_facts.py);
+- workers/ import from launcher/ only its config schema (the sections and their allowed values),
+  the one reader of a checkpoint's facts (launcher/config/model_facts.py), the one bounded reader
+  of files from outside the run (launcher/config/bounded.py) and what the job's components refuse
+  (launcher/config/job_limits.py: the scheduler's arguments);
 - in launcher/, only driver/, export.py and the preflight (which checks what workers import on a
   node) import workers/;
 - launcher/ modules other than driver/ and export.py import no torch, ray, vllm or megatron at
@@ -32,13 +35,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "vllm", "megatron", "transformers", "transformer_engine")
-# the config's sections and rules, and the one reader of a checkpoint's facts (both torch-free)
-WORKERS_MAY_IMPORT = ("launcher.config.schema", "launcher.config.model_facts")
+# the config's sections and rules, the one reader of a checkpoint's facts, the one bounded file reader and the
+# job's limits (all torch-free)
+WORKERS_MAY_IMPORT = ("launcher.config.schema", "launcher.config.model_facts", "launcher.config.bounded",
+                      "launcher.config.job_limits")
 STAGES = ("config", "plan", "job", "cluster", "driver", "workers")
 PLAN = ("launcher.plan", "launcher.memory", "launcher.activations",
         "launcher.refit_cost")   # the plan stage: top-level modules
 SHARED = ("launcher.paths", "launcher.files", "launcher.records", "launcher.logs", "launcher.progress",
-          "launcher.cluster.context", "launcher.driver.metric_names")
+          "launcher.shell", "launcher.cluster.context", "launcher.driver.metric_names")
 COMMANDS = ("launcher.__main__", "launcher.cli", "launcher.status", "launcher.stop", "launcher.export",
             "launcher.sweep")
 WORKER_IMPORTERS = ("launcher.export", "launcher.cluster.preflight")   # besides driver/
@@ -269,7 +274,7 @@ def test_planted_rule_breaks_are_named(tmp_path):
         "launcher.plan imports workers.w: in launcher/ only driver/, export.py and the preflight import workers/",
         "launcher.job.submit imports torch at module level: keep the control plane torch-free",
         "workers.w imports launcher.plan: workers/ may import only launcher.config.schema and "
-        "launcher.config.model_facts",
+        "launcher.config.model_facts and launcher.config.bounded and launcher.config.job_limits",
     ])
 
 

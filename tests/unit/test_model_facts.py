@@ -68,8 +68,8 @@ def test_other_expert_key_names(tmp_path):
 
 @pytest.mark.parametrize("config,message", [
     ("[1, 2]", "{f} must hold a JSON object, got list"),
-    ('{"model_type": "llama",', "{f} is not valid JSON: Expecting property name enclosed in double quotes: "
-                                "line 1 column 24 (char 23)"),
+    ('{"model_type": "llama",', "{f}: not valid JSON (Expecting property name enclosed in double quotes: "
+                                "line 1 column 24 (char 23))"),
     ({**LLAMA, "num_hidden_layers": "32"}, "{f}: num_hidden_layers must be a positive integer, got '32'"),
     ({**LLAMA, "hidden_size": 0}, "{f}: hidden_size must be a positive integer, got 0"),
     ({**LLAMA, "num_attention_heads": True}, "{f}: num_attention_heads must be a positive integer, got True"),

@@ -279,3 +279,76 @@ def test_a_worker_killed_in_a_call_is_one_error_and_is_replaced(reward_file, tmp
         assert r.pool.workers[0].proc is not victim
     finally:
         r.close()
+
+
+ROUND_THREE = '''
+import sys
+
+def score(response, example):
+    kind = example["expected"]
+    if kind == "huge":
+        return 10 ** 400            # an int no float holds: float() raised OverflowError in the worker
+    if kind == "exit":
+        sys.exit(3)                 # a SystemExit ended the worker
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [1.0]
+    if kind == "bool":
+        return True
+    return 1
+'''
+
+
+def test_what_the_users_code_returns_or_raises_cannot_end_a_worker(tmp_path):
+    """Results that are not finite real numbers (an int too large for a float, None, a list) and a
+    sys.exit in the call are reward errors, scored 0 and counted; the worker stays up (the same
+    worker, 1 of them, scores the next record) and the run's output gets no traceback."""
+    path = tmp_path / "odd.py"
+    path.write_text(ROUND_THREE)
+    r = rewards.Rewards(Reward(fn=f"{path}:score", workers=1, timeout_s=5), "answer", tmp_path)
+    try:
+        assert r.score(["x"], examples(["one"])) == ([1.0], 0)
+        pid = r.pool.workers[0].proc.pid
+        got, errs = r.score(["x"] * 6, examples(["huge", "exit", "none", "list", "bool", "one"]))
+        assert r.pool.workers[0].proc.pid == pid
+    finally:
+        r.close()
+    assert (got, errs) == ([0.0, 0.0, 0.0, 0.0, 1.0, 1.0], 4)
+    assert (tmp_path / "logs" / "reward_errors.log").read_text().startswith(
+        f"reward.fn {path}:score on line 1 of q.jsonl: returned 1000000000")
+
+
+@pytest.mark.parametrize("value,ok", [(1, True), (0.5, True), (True, True), (10 ** 400, False), (float("nan"), False),
+                                      (float("inf"), False), ("1.0", False), (None, False), ([1.0], False)])
+def test_a_reward_is_a_finite_real_number(value, ok):
+    got, why = rewards.as_reward(value)
+    assert (got is not None, why == "") == (ok, ok)
+
+
+def test_a_reward_module_that_exits_at_import_is_one_line(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("raise SystemExit(3)\n")
+    assert errors(f"reward.fn={path}:score") == [f"reward.fn: cannot import {path}: it called sys.exit(3) "
+                                                 f"(SystemExit): a reward module must not exit"]
+
+
+@pytest.mark.parametrize("code,message", [
+    ("import os\nos._exit(0)\n", "ended its process (exit code 0) before it was loaded"),
+    ("import ctypes\nctypes.string_at(0)\n", "ended its process (signal SIGSEGV) before it was loaded"),
+    ("import time\nwhile True:\n    time.sleep(0.1)\n",
+     "took more than 3 s (stopped): a reward module must not block"),
+    ("import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\nprint('hi')\n"
+     "def score(response, example):\n    return 1.0\n", None),
+])
+def test_the_users_module_is_imported_at_submission_in_a_process_of_its_own(tmp_path, code, message):
+    """Whatever the module does when it is imported (ends its process, crashes, blocks, leaves a thread
+    running) the launcher goes on and says so in one line naming the file; a good module passes and
+    leaves nothing behind (its thread ended with its process)."""
+    path = tmp_path / "mod.py"
+    path.write_text(code)
+    err = rewards.probe(f"{path}:score", timeout_s=3)
+    if message is None:
+        assert err is None
+        return
+    assert str(err).startswith(f"reward.fn: importing {path} ") and message in str(err), err

@@ -197,16 +197,13 @@ def build_optimizer(cfg: TrainerConfig, model: list, model_config):
 
 
 def make_scheduler(optimizer, cfg: TrainerConfig):
+    """megatron's scheduler with the arguments launcher.config.job_limits.scheduler_args gives (the
+    launcher checks those at submission and the job again before it starts: what this refuses)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    oc = cfg.optim
-    decay_steps = oc.lr_decay_iters or cfg.max_num_steps
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=oc.lr, min_lr=oc.min_lr, lr_warmup_steps=oc.lr_warmup_iters,
-        lr_decay_steps=decay_steps, lr_decay_style=oc.lr_decay_style, start_wd=oc.weight_decay,
-        end_wd=oc.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=oc.override_opt_param_scheduler)
+    from launcher.config.job_limits import scheduler_args
+
+    return OptimizerParamScheduler(optimizer, **scheduler_args(cfg.optim, cfg.max_num_steps))
 
 
 def _have_transformer_engine() -> bool:
