@@ -24,7 +24,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import yaml
 from omegaconf import OmegaConf
 
@@ -82,8 +81,8 @@ def interpolation(value: object) -> bool:
 
 
 def restated_values(conf: Path) -> list[str]:
-    """file:line: key for every preset value equal to the schema's default (unknown keys too: a
-    preset key the schema lacks is refused by Hydra anyway, and cannot be checked here)."""
+    """file:line: key for every preset value equal to the schema's default, and for every key the
+    schema lacks (Hydra refuses it too; named here so that no value escapes the check unseen)."""
     found = []
     for group in GROUPS:
         for path in sorted((conf / group).glob("*.yaml")):
@@ -238,7 +237,8 @@ def test_a_restated_default_or_doc_is_caught(tmp_path):
         f"conf/topology/slurm_3n.yaml:{line}: topology.train.micro_batch_size = 0 is the schema's default",
         f"conf/peft/lora_all_linear.yaml:3: peft.alpha = 32 is the schema's default",
         "conf/peft/none.yaml:6: peft.lora_dtype = None is the schema's default",
-        f"conf/grpo/ultra.yaml:{grpo.index(f'  max_lag: 1  # {lag}') + 1}: grpo.pipeline.max_lag = 1 is the schema's default",
+        f"conf/grpo/ultra.yaml:{grpo.index(f'  max_lag: 1  # {lag}') + 1}: grpo.pipeline.max_lag = 1 is the "
+        "schema's default",
     ]
     assert restated_docs(conf) == [
         f"conf/topology/slurm_3n.yaml:{line}: topology.train.micro_batch_size: '# {doc}' restates the schema",
