@@ -28,8 +28,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher import paths
-from launcher.config import bounded
-from launcher.config.schema import ConfigError
+from launcher.config import bounded, fields
+from launcher.config.schema import ConfigError, Pipeline
+
+# the lag a pipelined run records: 0 (no pipeline) up to grpo.pipeline.max_lag's bound in the schema
+MAX_LAG = int(fields.leaf(Pipeline, "max_lag").check.hi)
 
 RecordError = bounded.FileError   # a record that is not what this launcher writes: `<file>: <key>: <what>`
 
@@ -163,8 +166,8 @@ def _absolute(v: str) -> str | None:
 def _pipeline(v: dict) -> str | None:
     """training_info.json's `pipeline`: the max_lag it ran with, the steps generated ahead of it."""
     lag, ahead = v.get("max_lag"), v.get("ahead")
-    if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= 16:
-        return f"max_lag must be an integer in [0, 16], got {_short(lag)}"
+    if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= MAX_LAG:
+        return f"max_lag must be an integer in [0, {MAX_LAG}], got {_short(lag)}"
     if not isinstance(ahead, list) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in ahead):
         return f"ahead must be a list of step numbers, got {_short(ahead)}"
     return None
@@ -225,7 +228,7 @@ TRAINING_INFO = Record(paths.TRAINING_INFO, {
     "step": count(), "consumed_prompts": count(),
     "metrics": Field((dict,), required=False, rule=_metrics), "time": number(required=False),
     "pipeline": Field((dict,), required=False, rule=_pipeline)})
-ROLLOUTS = Record(paths.ROLLOUTS, {"max_lag": count(16), "sampling": Field((dict,)),
+ROLLOUTS = Record(paths.ROLLOUTS, {"max_lag": count(MAX_LAG), "sampling": Field((dict,)),
                                    "rollouts": Field((list,), rule=_rollouts)})
 MANIFEST = Record(paths.MANIFEST, {"files": Field((dict,), rule=_manifest_files)})
 HEAD = Record(paths.HEAD, {"ip": Field((str,), rule=_ip), "port": Field((int,), rule=_port), "host": text()})

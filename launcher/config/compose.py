@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.config import model_facts
-from launcher.config.schema import SCHEMA_SECTIONS, Config, ConfigError, Model, expected  # ConfigError: the CLI's error type
+from launcher.config.schema import Config, ConfigError, expected  # ConfigError: the CLI's error type
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "optim", "refit", "checkpointing", "slurm")
@@ -88,15 +88,20 @@ def _interpolations(override: str) -> list[str]:
 
 
 def _register_schema_sections() -> None:
-    """conf/config.yaml's `schema/<name>@<name>` defaults: those sections' defaults and types."""
+    """conf/config.yaml's `schema/<section>@<section>` defaults: every section's keys, types and
+    defaults, from the schema (the one place). A group's preset merges over its section and states
+    only what it changes (tests/unit/test_defaults_once.py); run, vllm, ray, retry and logging
+    (SCHEMA_SECTIONS) have no group, conf/config.yaml ties a few of their keys to others."""
+    import dataclasses
+    import typing
+
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    for name, node in SCHEMA_SECTIONS.items():
-        store.store(group="schema", name=name, node=node)
-    # the `model:` keys, typed, under whichever model group (a group states only what it knows: a
-    # built-in recipe's yaml no architecture numbers, model_facts.apply resolves them)
-    store.store(group="schema", name="model", node=Model)
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        if dataclasses.is_dataclass(hints[f.name]):
+            store.store(group="schema", name=f.name, node=hints[f.name])
 
 
 def _check_group_choice(override: str) -> None:

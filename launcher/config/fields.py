@@ -205,6 +205,11 @@ def leaves(cls: type, prefix: str = "") -> Iterator[Leaf]:
                    f"{prefix}{when}" if when else None)
 
 
+def leaf(cls: type, key: str) -> Leaf:
+    """The leaf `key` (dotted, below `cls`) of the dataclass `cls`: its default, check and doc."""
+    return next(x for x in leaves(cls) if x.key == key)
+
+
 def errors(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
     """(dotted key, message) for each leaf of the dataclass instance `obj` (nested sections walked)
     whose checker refuses its value, and each float that is not finite."""
@@ -267,8 +272,8 @@ def allowed(leaf: Leaf) -> str:
 
 def summary(cls: type, key: str) -> str:
     """One key in two lines of help: the key and what it allows, then its doc."""
-    leaf = next(x for x in leaves(cls) if x.key == key)
-    return f"  {key:<22}  {allowed(leaf)}\n  {'':<22}  {leaf.doc}"
+    one = leaf(cls, key)
+    return f"  {key:<22}  {allowed(one)}\n  {'':<22}  {one.doc}"
 
 
 def describe(cls: type, prefix: str = "") -> str:

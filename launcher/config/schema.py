@@ -564,8 +564,9 @@ class Retry:
                              "after a failure (a dead actor or node), restart from the latest checkpoint up to N times")
 
 
-# the sections whose defaults are the schema's alone: conf/config.yaml takes them from here
-# (`schema/<name>@<name>` in its defaults list; launcher.config.compose registers them)
+# the sections no conf/ group sets: their values are the schema's defaults (conf/config.yaml takes
+# every section from here, `schema/<name>@<name>` in its defaults list, and ties a few of these
+# sections' keys to others; launcher.config.compose registers them)
 SCHEMA_SECTIONS = {"run": Run, "vllm": Vllm, "ray": RayCfg, "retry": Retry, "logging": Logging}
 
 
@@ -648,7 +649,7 @@ def typed(cfg: DictConfig) -> Config:
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
     try:
-        # as plain data: a section Hydra composed from the schema (SCHEMA_SECTIONS) would otherwise
+        # as plain data: a section Hydra composed from the schema (every section) would otherwise
         # drop a key added to it with +key=value instead of refusing it
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(OmegaConf.to_container(cfg)))
     except ConfigKeyError as e:

@@ -133,11 +133,17 @@ def test_normalizer_splits_across_ranks():
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-12)
 
 
-def test_config_keys_follow_yaml():
-    import yaml
-    from pathlib import Path
+def demo_loss() -> dict:
+    """`grpo.loss` as a run of the default preset (conf/grpo/demo.yaml over the schema) gets it."""
+    from omegaconf import OmegaConf
 
-    section = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf/grpo/demo.yaml").read_text())["loss"]
+    from launcher.config.compose import compose
+
+    return OmegaConf.to_container(compose(["grpo=demo"]).grpo.loss)
+
+
+def test_config_keys_follow_yaml():
+    section = demo_loss()
     assert loss_config(section).ratio_clip_c == section["ratio_clip_c"]
     with pytest.raises(ValueError, match="unknown keys"):
         loss_config({**section, "ratio_clip": 0.2})
@@ -185,10 +191,7 @@ def test_the_kl_term_is_clamped_as_nemo_rl_and_verl_clamp_it():
 
 @pytest.mark.parametrize("key, value", [("kl_input_clamp_value", 0.0), ("kl_output_clamp_value", -1.0)])
 def test_a_kl_clamp_must_be_positive_or_null(key, value):
-    import yaml
-    from pathlib import Path
-
-    section = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf/grpo/demo.yaml").read_text())["loss"]
+    section = demo_loss()
     assert (section["kl_input_clamp_value"], section["kl_output_clamp_value"]) == (20.0, 10.0)
     with pytest.raises(ValueError) as e:
         loss_config({**section, key: value})

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from omegaconf import OmegaConf
+
+from launcher.config.compose import compose
 
 from workers.refit.wire import guard_names as guard_refit_names
 from workers.trainer.config import TrainerConfig
@@ -16,14 +20,22 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def section(path: str) -> dict:
-    return yaml.safe_load((CONF / path).read_text())
+    """The section of the preset conf/<group>/<name>.yaml as a run gets it: composed over the
+    schema's defaults (a preset states only what it changes)."""
+    group, name = path.removesuffix(".yaml").split("/")
+    return copy.deepcopy(_composed(f"{group}={name}")[group])
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(override: str) -> dict:
+    return OmegaConf.to_container(compose([override]))
 
 
 @pytest.mark.parametrize("peft", sorted(p.name for p in (CONF / "peft").glob("*.yaml")))
 @pytest.mark.parametrize("topology", ["local.yaml", "slurm_3n.yaml", "ultra_6n4g.yaml"])
 def test_every_peft_and_topology_section_is_accepted(peft, topology):
     topo = section(f"topology/{topology}")
-    train = {k: (4 if str(v).startswith("${") else v) for k, v in topo["train"].items()}  # ${...} interpolations
+    train = topo["train"]  # composed: ultra_6n4g's ${topology.gpus_per_node} resolved
     cfg = TrainerConfig.from_sections(
         "/models/x", parallel=train, peft=section(f"peft/{peft}"), optim=section("optim/adam_constant.yaml"),
         loss=section("grpo/demo.yaml")["loss"], device=topo["device"], seed=1, max_num_steps=12)

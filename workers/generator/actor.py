@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
-from launcher.config.schema import Vllm
+from launcher.config.schema import GenerationRole, Topology, Vllm
 from workers import cpu_shim, hf_checkpoint
 from workers.contracts import Generation, GeneratorInfo
 from workers.refit.transports import BroadcastTransport, RayTransport
@@ -54,8 +54,8 @@ class GeneratorConfig(Vllm):
     inherited from there) and `topology.generation.tensor_parallel`."""
 
     model: str                                # HF checkpoint directory
-    device: str = "cpu"                       # cpu | cuda
-    tensor_parallel: int = 1
+    device: str = Topology.device             # the schema's default, as tensor_parallel's
+    tensor_parallel: int = GenerationRole.tensor_parallel
     enable_lora: bool = False                 # True for refit.mode=adapter
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"       # raw_logprobs | processed_logprobs

@@ -14,7 +14,8 @@ from typing import Optional
 
 from launcher.config import model_facts
 from launcher.config.model_facts import ModelFacts
-from launcher.config.schema import Optim, Peft, TrainRole, field_errors, from_dict, train_parallel_errors
+from launcher.config.schema import (Grpo, Model, Optim, Peft, Run, Topology, TrainRole, field_errors, from_dict,
+                                    train_parallel_errors)
 from workers import cpu_shim
 from workers.trainer.loss import LossConfig, loss_config
 
@@ -24,11 +25,12 @@ ParallelConfig, PeftConfig, OptimConfig = TrainRole, Peft, Optim
 @dataclass
 class TrainerConfig:
     model_path: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 1234
-    max_num_steps: int = 10  # scheduler decay steps when optim.lr_decay_iters is null
-    temperature: float = 1.0  # grpo.temperature: logprobs are log_softmax(logits / temperature), as sampled
+    # the defaults: the schema's, of the keys a run sets them from
+    device: str = Topology.device
+    dtype: str = Model.dtype
+    seed: int = Run.seed
+    max_num_steps: int = Grpo.max_num_steps  # scheduler decay steps when optim.lr_decay_iters is null
+    temperature: float = Grpo.temperature  # logprobs are log_softmax(logits / temperature), as sampled
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
