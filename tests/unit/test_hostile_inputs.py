@@ -451,7 +451,7 @@ CASES = [
     Case("positions", ["grpo.max_total_sequence_length=4096"], 2,
          "grpo.max_total_sequence_length: must be at most the model's 1024 positions"),
     Case("temperature-under-vllms-floor", ["grpo.temperature=1e-4"], 2, "grpo.temperature: must be at least 0.01"),
-    Case("timeout-overflows-timedelta", ["+refit.timeout_s=1e20"], 2, "refit.timeout_s: must be in [1, 604800]"),
+    Case("timeout-overflows-timedelta", ["refit.timeout_s=1e20"], 2, "refit.timeout_s: must be in [1, 604800]"),
     Case("interpolation-names-its-override", ["run.name=${oops}"], 2, "run.name: Interpolation key 'oops' not found"),
     Case("interpolation-of-a-number", ["grpo.max_num_steps=${oc.env:I34_NOT_SET}"], 2, "grpo.max_num_steps: "),
     Case("root-name-too-long", ["run.root={sandbox}/" + "a" * 300, "submit=false"], 2,
