@@ -237,13 +237,18 @@ def test_a_hybrid_base_of_another_layer_pattern_or_mamba_shape_is_refused(capsys
 
     other = tiny_models.build(tmp_path / "other", "tiny_nemotron_h", spec={
         **BUILTIN_MODELS["tiny_nemotron_h"], "hybrid_override_pattern": "M*EM-*", "n_groups": 4})
-    ckpt = nemotron_h_checkpoint(make_checkpoint, tiny_model, {
-        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_in.weight": torch.randn(R, HIDDEN),
-        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight": torch.randn(4 * 48 + 2 * 2 * 48, R)})
+    ckpt = _nemotron_h_qkv_checkpoint(make_checkpoint, tiny_model)
     assert_refused(run_export(capsys, ckpt, "--base-model", str(other)),
                    f"{other.resolve()}/config.json is not shaped like the model {ckpt}/config.yaml trained: "
                    f"family_facts.hybrid_override_pattern 'M*EM*-' -> 'M*EM-*'; family_facts.n_groups 2 -> 4 "
                    f"(wrong --base-model?)")
+
+
+def _nemotron_h_qkv_checkpoint(make_checkpoint, tiny_model):
+    """A tiny_nemotron_h checkpoint whose adapter is LoRA on one attention layer's linear_qkv."""
+    return nemotron_h_checkpoint(make_checkpoint, tiny_model, {
+        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_in.weight": torch.randn(R, HIDDEN),
+        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight": torch.randn(4 * 48 + 2 * 2 * 48, R)})
 
 
 def test_a_base_of_another_latent_width_is_refused_and_mtp_layers_do_not_matter(capsys, make_checkpoint, tiny_model,
@@ -257,9 +262,7 @@ def test_a_base_of_another_latent_width_is_refused_and_mtp_layers_do_not_matter(
         **BUILTIN_MODELS["tiny_nemotron_h"], "moe_latent_size": 32})
     mtp = tiny_models.build(tmp_path / "mtp", "tiny_nemotron_h", spec={
         **BUILTIN_MODELS["tiny_nemotron_h"], "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"})
-    ckpt = nemotron_h_checkpoint(make_checkpoint, tiny_model, {
-        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_in.weight": torch.randn(R, HIDDEN),
-        "decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight": torch.randn(4 * 48 + 2 * 2 * 48, R)})
+    ckpt = _nemotron_h_qkv_checkpoint(make_checkpoint, tiny_model)
     assert_refused(run_export(capsys, ckpt, "--base-model", str(latent)),
                    f"{latent.resolve()}/config.json is not shaped like the model {ckpt}/config.yaml trained: "
                    f"family_facts.moe_latent_size 0 -> 32 (wrong --base-model?)")
