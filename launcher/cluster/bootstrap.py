@@ -212,13 +212,14 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
         status["error"] = f"{type(e).__name__}: {e}"
         raise
     finally:
-        files.write_json(ctx.rendezvous / paths.DONE, status)
-        if any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
-            stop_node(ctx, ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
-            disconnect()
-        else:
-            disconnect()
-            stop_node(ctx, ray_proc)
+        with stop.ctrl_c_held():  # a second Ctrl-C ("stop now") must not leave the node's Ray behind
+            files.write_json(ctx.rendezvous / paths.DONE, status)
+            if any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
+                stop_node(ctx, ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
+                disconnect()
+            else:
+                disconnect()
+                stop_node(ctx, ray_proc)
 
 
 # --------------------------------------------------------------------------------------- worker

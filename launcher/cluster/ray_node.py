@@ -188,8 +188,9 @@ def stop_node(ctx: JobContext, proc: subprocess.Popen) -> None:
     temp dir, the daemons' logs kept in RUN/logs/ray/<host>/ (launcher.cluster.reaper.clean_up)."""
     from launcher.cluster.reaper import clean_up
 
-    stop_process_tree(proc)
-    clean_up(ctx.ray_temp_dir, ctx.ray_logs)
+    with stop.ctrl_c_held():
+        stop_process_tree(proc)
+        clean_up(ctx.ray_temp_dir, ctx.ray_logs)
 
 
 def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:

@@ -57,6 +57,24 @@ def ignore_job_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+@contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Clean-up that must finish (a node's Ray stopped, its temp dir removed): a Ctrl-C pressed during
+    it is handled when it ends, by the handler that was in place (the second Ctrl-C of "stop now"
+    would otherwise abandon the clean-up half done). Only the main thread receives signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held and callable(previous):
+        previous(signal.SIGINT, None)
+
+
 def request_stop(why: str) -> bool:
     """Ask the running driver to stop after its current step; False if none runs (or already asked)."""
     running = CURRENT

@@ -8,6 +8,7 @@ duration: GNU sleep adds them up).
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -115,3 +116,21 @@ def test_when_cmd_ends_by_itself_the_temp_dir_is_left_to_the_bootstrap(tmp_path)
     assert (temp / "tmp" / "vllm_dist_0123abcd").exists() and not kept.exists()
     reaper.clean_up(temp, kept)
     assert not temp.exists() and (kept / next(kept.iterdir()).name / "raylet.out").is_file()
+
+
+def test_a_ctrl_c_during_the_clean_up_is_handled_after_it():
+    """stop_node runs under stop.ctrl_c_held: the second Ctrl-C of "stop now" arriving while the node's
+    Ray is being stopped must not leave its temp dir behind; it still ends the run, afterwards."""
+    script = ("import os, signal, time\n"
+              "from launcher.cluster import stop\n"
+              "try:\n"
+              "    with stop.ctrl_c_held():\n"
+              "        os.kill(os.getpid(), signal.SIGINT)\n"
+              "        time.sleep(0.3)\n"
+              "        print('clean-up finished', flush=True)\n"
+              "except KeyboardInterrupt:\n"
+              "    print('then KeyboardInterrupt', flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGINT)  # the handler in place before is back\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["clean-up finished", "then KeyboardInterrupt"], out.stderr
+    assert out.returncode == -signal.SIGINT and out.stderr.rstrip().endswith("KeyboardInterrupt")
