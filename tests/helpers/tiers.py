@@ -53,9 +53,10 @@ def scheduler(config, log):
 
     class TierScheduling(LoadScopeScheduling):
         """A unit test module is a work unit, handed to the workers as they ask; all other tests are
-        one work unit, SERIAL, for one worker of its own (the last one), which gets it once the last
-        unit module has been handed out and runs it in collection order (by tier: `order`) while
-        the others finish their modules and stop. With a single worker: the unit modules first."""
+        one work unit, SERIAL, for one worker of its own (the last one), which takes it at once and
+        runs it in collection order (by tier: `order`) while the others run the unit modules: a
+        Ray, vLLM or Megatron test leaves about a quarter of two cores idle (waiting on its actors
+        and subprocesses), which the unit tests take. With a single worker: the unit modules first."""
 
         _serial_node = None
 
@@ -68,26 +69,21 @@ def scheduler(config, log):
 
         def _assign_work_unit(self, node) -> None:
             units = [s for s in self.workqueue if s != SERIAL]
-            if SERIAL not in self.workqueue:
-                if units:
-                    self._give(node, units[0])
-                return
             if len(self.nodes) == 1:
                 self._give(node, units[0] if units else SERIAL)
                 return
             if self._serial_node not in self.nodes:
                 self._serial_node = self.nodes[-1]
-            if node is not self._serial_node:
-                if units:
-                    self._give(node, units[0])
-                    if len(units) == 1:  # the last unit module is out: the serial tiers start now
-                        self._reschedule(self._serial_node)
+            serial = self._serial_node
+            if node is serial:  # SERIAL at once (the unit modules fill the cores its tests leave idle), nothing else
+                if SERIAL in self.workqueue:
+                    self._give(node, SERIAL)
                 return
-            if not units:
-                self._give(node, SERIAL)
-                for other in self.nodes:  # nothing is left for them: they stop after their last test
-                    if other is not node and not other.shutting_down:
-                        other.shutdown()
+            if units:
+                self._give(node, units[0])
+            if (len(units) <= 1 and SERIAL not in self.workqueue and not self._pending_of(self.assigned_work[serial])
+                    and not serial.shutting_down):
+                serial.shutdown()  # through before the unit tier: nothing else comes for it
 
     return TierScheduling(config, log)
 

@@ -123,6 +123,7 @@ def test_a_ctrl_c_during_the_clean_up_is_handled_after_it():
     Ray is being stopped must not leave its temp dir behind; it still ends the run, afterwards."""
     script = ("import os, signal, time\n"
               "from launcher.cluster import stop\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (xdist's workers ignore it)\n"
               "try:\n"
               "    with stop.ctrl_c_held():\n"
               "        os.kill(os.getpid(), signal.SIGINT)\n"
