@@ -5,7 +5,10 @@ generation node, refit merged_delta (tests/e2e/test_nemotron_h_local.py runs mer
 with exact refits on every step (the expert bias stays frozen: merged_delta never sends it) and
 checkpoints both nodes wrote. (A preemption and its resume are the dense job's:
 tests/slurm/test_branch_resume_on_slurm.py; a Nemotron-H checkpoint resumed at another layout:
-tests/integration/test_nemotron_h.py.)"""
+tests/integration/test_nemotron_h.py.) This is the suite's one job with experts split across nodes:
+what crosses the nodes (the experts' all-to-all, the expert-sharded checkpoint, the merged_delta
+refit of sharded experts) is the same for every MoE family, and the Qwen3-MoE recipe runs at EP 2
+in tests/e2e/test_moe_local.py and tests/integration/test_moe.py."""
 
 from __future__ import annotations
 
