@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 REPO = Path(__file__).resolve().parents[1]
+_LOCAL_RAY: dict = {}  # the last test id that uses local_ray, and how to stop it
 
 
 # ------------------------------------------------------------------------ order and workers
@@ -49,6 +50,17 @@ def pytest_collection_modifyitems(config, items):
     from tests.helpers import tiers
 
     tiers.order(items)
+    using = [item.nodeid for item in items if "local_ray" in getattr(item, "fixturenames", ())]
+    _LOCAL_RAY["last"] = using[-1] if using else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that uses `local_ray`, its Ray stops: its daemons would otherwise take a
+    share of the two cores through the e2e and Slurm tiers, which start Rays of their own."""
+    yield
+    if item.nodeid == _LOCAL_RAY["last"] and _LOCAL_RAY.get("stop"):
+        _LOCAL_RAY.pop("stop")()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -110,9 +122,15 @@ def local_ray():
                  object_store_memory=512 * 2**20, log_to_driver=True, _temp_dir=temp,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                                            "HF_HUB_OFFLINE": "1", "TMPDIR": f"{temp}/tmp"}})
+
+    def stop():
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+    _LOCAL_RAY["stop"] = stop  # called after the session's last test that uses it (pytest_runtest_teardown)
     yield ray
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    if _LOCAL_RAY.pop("stop", None):
+        stop()
 
 
 def ray_processes_of(job: str) -> list[str]:

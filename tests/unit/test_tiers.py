@@ -125,3 +125,24 @@ def test_tier_of_and_order():
     tiers.order(items)
     assert [i.nodeid for i in items] == ["tests/unit/b.py::t", "tests/unit/a.py::t", "tests/integration/e.py::t",
                                          "tests/e2e/d.py::t", "tests/slurm/a.py::t", "tests/gpu/c.py::t", "x.py::t"]
+
+
+def test_the_local_ray_stops_after_the_last_test_that_uses_it(tmp_path):
+    """The integration tier's Ray (tests/conftest.py local_ray) is not left running through the tiers
+    after it: a Ray's daemons take a share of the two cores."""
+    pytest.importorskip("ray")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "tests" / "integration").mkdir(parents=True)
+    (tmp_path / "tests" / "e2e").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text(
+        "from tests.conftest import local_ray, pytest_collection_modifyitems, pytest_runtest_teardown\n")
+    (tmp_path / "tests" / "e2e" / "test_e.py").write_text(
+        "import ray\n\ndef test_after():\n    assert not ray.is_initialized()\n")
+    (tmp_path / "tests" / "integration" / "test_i.py").write_text(
+        "def test_one(local_ray):\n    assert local_ray.is_initialized()\n\n"
+        "def test_two(local_ray):\n    assert local_ray.is_initialized()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "0", str(tmp_path / "tests"),
+                        "--rootdir", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "3 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
