@@ -69,6 +69,11 @@ def pytest_terminal_summary(terminalreporter):
     reports = [r for key in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
                for r in terminalreporter.stats.get(key, []) if hasattr(r, "nodeid") and r.nodeid]
     if reports:
+        slowest = tiers.slowest_modules(reports)
+        if slowest:
+            terminalreporter.write_sep("=", "the slowest modules of the other tiers")
+            for line in slowest:
+                terminalreporter.write_line(line)
         terminalreporter.write_sep("=", "time per tier")
         for line in tiers.summary(reports):
             terminalreporter.write_line(line)

@@ -109,5 +109,20 @@ def summary(reports: list) -> list[str]:
     return lines
 
 
+def slowest_modules(reports: list, n: int = 25) -> list[str]:
+    """The `n` test modules (other than the unit tier's, which run next to them) that took the most
+    time (setup + call + teardown of their tests, module fixtures included), slowest first: where the
+    suite's minutes go, one line each."""
+    per = defaultdict(lambda: [0.0, set()])
+    for r in reports:
+        if tier_of(r.nodeid) == "unit":
+            continue
+        module = per[r.nodeid.split("::", 1)[0]]
+        module[0] += getattr(r, "duration", 0.0) or 0.0
+        module[1].add(r.nodeid)
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])[:n]
+    return [f"{seconds:7.0f} s  {len(tests):3d} tests  {module}" for module, (seconds, tests) in ranked]
+
+
 def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
