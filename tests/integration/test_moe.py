@@ -361,3 +361,52 @@ def test_lora_on_experts_at_ep1_checkpoints_resumes_and_refits_merged_exactly(gr
         assert moved > 1e-3 and (sampled["generation_logprobs"] - trained)[on].abs().max().item() < moved / 100
     finally:
         group.shutdown()
+
+
+# A Qwen3-MoE as transformers 5.19 saves it (the expert count spelt `num_local_experts`) whose expert width
+# is not a multiple of vLLM CPU's MoE kernel alignment (32): the kernel holds the experts zero-padded
+# (48 -> 64) after the first load, and a merged refit reloaded them unpadded, which could not be copied
+# back into the engine's storage ("The size of tensor a (128) must match the size of tensor b (96)",
+# issue 32's first shape). Hidden 96, 6 heads of 32 over 3 KV groups, dense width 128, 6 experts of 48,
+# top-2, 2 layers.
+ODD_WIDTH_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "decoder_sparse_step": 1, "head_dim": 32, "hidden_act": "silu", "hidden_size": 96, "intermediate_size": 128,
+    "max_position_embeddings": 2048, "mlp_only_layers": [], "moe_intermediate_size": 48, "norm_topk_prob": True,
+    "num_attention_heads": 6, "num_local_experts": 6, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+    "num_key_value_heads": 3, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "use_sliding_window": False}
+
+
+def test_merged_refit_is_exact_when_vllm_pads_the_expert_width(groups, engines, batch, model_cache):
+    from launcher.driver.agreement import agreement_metrics
+    from workers import tiny_models
+    from workers.generator.actor import GeneratorConfig
+    from workers.generator.group import GeneratorGroup
+
+    for name in ("ep2", "tp2"):  # free the trainer slots and the generation slot
+        if groups.get(name) is not None:
+            groups.pop(name).shutdown()
+    engines["merged"].shutdown()
+    engines["adapter"].shutdown()
+    model = tiny_models.build_from_config(model_cache / "qwen3_moe_width48", ODD_WIDTH_QWEN3_MOE,
+                                          init_std=0.08 * (128 / 96) ** 0.5)
+    assert '"num_local_experts": 6' in (model / "config.json").read_text()
+    group = make_group(model)
+    engine = GeneratorGroup(GeneratorConfig(model=str(model), kv_cache_memory_bytes=32 * 2**20), [SLOT],
+                            ready_timeout_s=300)
+    try:
+        for step in range(2):  # the second refit reloads experts that the first one left as the engine holds them
+            group.train(with_prev(group, batch))
+            report = engine.apply_refit(group.refit_payload("merged", 0.05))
+            assert report["bytes"] > 0, report
+            ps = prompts(4, seed=10 + step)
+            sampled = sequences_batch(engine.generate(ps, temperature=1.0, max_tokens=8, seeds=[1, 2, 3, 4]), ps)
+            trained = group.logprobs(sampled)
+            assert agreement_metrics(sampled["generation_logprobs"], trained, sampled["loss_mask"])["gen_kl_error"] < 1e-5
+            on = sampled["loss_mask"].bool()
+            moved = (trained - group.logprobs(sampled, adapters=False))[on].abs().max().item()
+            assert moved > 1e-3 and (sampled["generation_logprobs"] - trained)[on].abs().max().item() < moved / 100
+    finally:
+        group.shutdown()
+        engine.shutdown()

@@ -7,8 +7,10 @@ vLLM's worker; `workers.generator.serve`, also in the engine process it spawns).
                     runs the experts' process_weights_after_loading only on the first load, so a
                     reloaded layer's weights stay in checkpoint layout while the CPU kernel reads
                     them as prepacked (logprobs 0.43 off). After such an update the weights are
-                    prepacked in place (copied into the same storage, as the update path does) -
-                    for gated experts only: non-gated ones (vllm_moe_relu2) are never prepacked,
+                    padded and prepacked as on the first load (the CPU kernel zero-pads an expert
+                    width that is not a multiple of its alignment, 32: a width of 48 is held as
+                    64, and an update left unpadded could not be copied back into the engine's
+                    storage) - for gated experts only: non-gated ones (vllm_moe_relu2) are never prepacked,
                     and prepacking them after a reload put logprobs 2.9 off.
   vllm_moe_lora     with LoRA enabled, every MoE layer takes vLLM's LoRA MoE backend (Triton
                     kernels; CPU has none), even when the deployment-time filter
@@ -81,6 +83,7 @@ def _moe_reload() -> None:
         experts = getattr(self.moe_kernel, "fused_experts", None)
         if update and isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False) \
                 and experts.moe_config.is_act_and_mul:
+            experts._pad_moe_intermediate(layer)  # the first load's zero padding of the expert width, too
             for name in ("w13_weight", "w2_weight"):
                 weight = getattr(layer, name)
                 weight.data.copy_(_custom_ops.cpu_prepack_moe_weight(weight.data, experts.isa))
