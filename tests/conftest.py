@@ -66,7 +66,7 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_terminal_summary(terminalreporter):
     from tests.helpers import tiers
 
-    reports = [r for key in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+    reports = [r for key in ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "")  # "": passed setups
                for r in terminalreporter.stats.get(key, []) if hasattr(r, "nodeid") and r.nodeid]
     if reports:
         slowest = tiers.slowest_modules(reports)
