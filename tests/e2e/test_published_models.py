@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from tests.helpers import published_models
-from tests.integration.lora_runs import hf_logprobs
+from tests.helpers.hf_reference import token_logprobs
+from tests.helpers.runs import launch as launch_run
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable
@@ -46,11 +47,8 @@ def varied(response, example):
 def launch(model: Path, root: Path) -> subprocess.CompletedProcess:
     reward = root.parent / "varied.py"
     reward.write_text(VARIED)
-    p = subprocess.run([PY, "-m", "launcher", f"model.path={model}", f"run.root={root}", "grpo.max_num_steps=2",
-                        "checkpointing.save_period=2", "logging.tensorboard=false", f"reward.fn={reward}:varied"],
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    return p
+    return launch_run(root, f"model.path={model}", "grpo.max_num_steps=2", "checkpointing.save_period=2",
+                      "logging.tensorboard=false", f"reward.fn={reward}:varied")
 
 
 def without_rope_scaling(model: Path):
@@ -87,15 +85,15 @@ def test_published_shape_through_the_pipeline_refit_and_export(name, model_cache
     try:
         ids = torch.randint(4, 250, (3, 24), generator=torch.Generator().manual_seed(5))
         base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
-        base_logprobs = hf_logprobs(base, ids)
+        base_logprobs = token_logprobs(base, ids)
         assert (group.logprobs({"input_ids": ids}) - base_logprobs).abs().max() < ATOL
         if saved["model"]["rope_scaling"]:  # the agreement includes the scaling: without it, HF differs
-            assert (hf_logprobs(without_rope_scaling(model), ids) - base_logprobs).abs().max() > 1e-3
+            assert (token_logprobs(without_rope_scaling(model), ids) - base_logprobs).abs().max() > 1e-3
         group.load_state(run / "checkpoints" / "step_2" / "trainer")
         trained = group.logprobs({"input_ids": ids})
     finally:
         group.shutdown()
     report = export(run / "checkpoints" / "step_2", tmp_path / "adapter")
-    peft = hf_logprobs(PeftModel.from_pretrained(base, str(report.out)).eval(), ids)
+    peft = token_logprobs(PeftModel.from_pretrained(base, str(report.out)).eval(), ids)
     assert (peft - trained).abs().max() < ATOL
     assert (peft - base_logprobs).abs().max() > 1e-4  # the adapter changed the model

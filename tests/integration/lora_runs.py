@@ -85,12 +85,3 @@ def trained_run(cache_root: Path, model_dir: Path, recipe: str, tp: int) -> Trai
     saved = torch.load(probe_file)
     return TrainedRun(recipe, tp, run / "checkpoints" / f"step_{STEPS}", Path(model_dir), saved["probe_ids"],
                       saved["trainer_logprobs"])
-
-
-def hf_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    """log_softmax of an HF (or PEFT) model's logits at the next token, aligned like the trainer's."""
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits.float(), dim=-1)
-    out = torch.zeros(ids.shape, dtype=torch.float32)
-    out[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    return out

@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_runs import hf_logprobs, trained_run
+from lora_runs import trained_run
+from tests.helpers import hf_reference as hf
+from tests.helpers.hf_reference import token_logprobs
 
 pytestmark = pytest.mark.integration
 ATOL = 1e-5
@@ -54,13 +56,8 @@ def exported(request, local_ray, tiny_model, runs_root, tmp_path_factory):
 
 
 def peft_logprobs(model_dir, adapter_dir, ids):
-    import peft
-    import transformers
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    base_lp = hf_logprobs(base, ids)
-    model = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    return hf_logprobs(model, ids), base_lp
+    """Logprobs of ids under the base with the PEFT adapter attached, and under the base alone."""
+    return token_logprobs(hf.load(model_dir, adapter_dir=adapter_dir), ids), token_logprobs(hf.load(model_dir), ids)
 
 
 def max_diff(a, b) -> float:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from launcher.driver.agreement import agreement_metrics
+from tests.helpers import hf_reference as hf
 from tests.helpers.generator import RecordingGeneratorGroup, recording_config
 from workers.refit import control as refit
 
@@ -37,37 +38,7 @@ def prompts(n: int = 5, seed: int = 0, length: tuple[int, int] = (3, 12)) -> lis
                           generator=g).tolist() for _ in range(n)]
 
 
-# ---------------------------------------------------------------------------- HF references
-
-
-def _hf_model(model_dir, state=None, adapter_dir=None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if state is not None:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
-    return model.eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt_ids, n_new=N_NEW):
-    """Greedy tokens and the log-softmax logprob of each, one full forward per step."""
-    out = []
-    for p in prompt_ids:
-        ids, toks, lps = list(p), [], []
-        for _ in range(n_new):
-            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            tok = int(logprobs.argmax())
-            toks.append(tok)
-            lps.append(float(logprobs[tok]))
-            ids.append(tok)
-        out.append((toks, lps))
-    return out
+# ------------------------------------------------------------ HF references: tests/helpers/hf_reference.py
 
 
 def assert_matches(gens, reference):
@@ -170,7 +141,7 @@ def lora_engine(local_ray, model_dir):
 def test_base_generation_matches_hf_and_keeps_request_order(engines, model_dir):
     ps = prompts(5)
     gens = greedy(engines, ps)  # 5 prompts over 2 engines: slices of 3 and 2
-    assert_matches(gens, hf_greedy(_hf_model(model_dir), ps))
+    assert_matches(gens, hf.greedy(hf.load(model_dir), ps, N_NEW))
     assert all(g.finish_reason == "length" and isinstance(g.text, str) and g.text for g in gens)
 
 
@@ -211,13 +182,13 @@ def test_merged_refit_matches_hf_and_the_trainer(engines, trainers, model_dir):
     assert payload.bytes >= sum(t.numel() * t.element_size() for t in merged.values())
     gens = greedy(engines, ps)
     assert [g.token_ids for g in gens] != [g.token_ids for g in before]  # LoRA (B != 0) matters
-    assert_matches(gens, hf_greedy(_hf_model(model_dir, merged), ps))
+    assert_matches(gens, hf.greedy(hf.load(model_dir, merged), ps, N_NEW))
     assert_trainer_agrees(trainers, engines, seed=100)
     # a training step, then the second refit: same layout, only buckets travel
     train_step(trainers, engines)
     payload, report = refit_from(trainers, engines, "merged", bucket_mb=0.05)
     assert payload.layout_bytes == 0 and report["layouts_fetched"] == 0
-    assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
+    assert_matches(greedy(engines, ps), hf.greedy(hf.load(model_dir, merged_state(trainers)), ps, N_NEW))
 
 
 def test_merged_delta_writes_bitwise_the_merged_weights(engines, trainers, model_dir):
@@ -243,7 +214,7 @@ def test_merged_delta_writes_bitwise_the_merged_weights(engines, trainers, model
     # the same weights -> the same kernels give bitwise the same logprobs
     assert [g.token_ids for g in via_delta] == [g.token_ids for g in via_merged]
     assert [g.logprobs for g in via_delta] == [g.logprobs for g in via_merged]
-    assert_matches(via_delta, hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
+    assert_matches(via_delta, hf.greedy(hf.load(model_dir, merged_state(trainers)), ps, N_NEW))
     assert_trainer_agrees(trainers, engines, seed=200)
 
 
@@ -253,7 +224,7 @@ def test_merged_delta_after_training_steps_matches_hf(engines, trainers, model_d
     for _ in range(2):
         train_step(trainers, engines)
         refit_from(trainers, engines, "merged_delta")
-    assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
+    assert_matches(greedy(engines, ps), hf.greedy(hf.load(model_dir, merged_state(trainers)), ps, N_NEW))
 
 
 def test_refit_without_prefix_cache_reset_is_caught(engines, trainers, model_dir):
@@ -263,7 +234,7 @@ def test_refit_without_prefix_cache_reset_is_caught(engines, trainers, model_dir
     refit_from(trainers, engines, "merged_delta")
     greedy(engines, long_prompt * 2)  # both engines cache the prompt's blocks under these weights
     train_step(trainers, engines)
-    expected = hf_greedy(_hf_model(model_dir, merged_state(trainers)), long_prompt)
+    expected = hf.greedy(hf.load(model_dir, merged_state(trainers)), long_prompt, N_NEW)
 
     def agrees() -> bool:
         try:
@@ -290,14 +261,15 @@ def test_adapter_refit_matches_peft_model_and_the_trainer(lora_engine, engines, 
     cfg = trainers.lora_config()
     groups = lora_layout.hf_lora_groups(lora_layout.ModelLayout.from_hf_config(model_dir), trainers.adapter_state())
     adapter_dir = lora_peft.write_peft_adapter(tmp_path / "adapter", groups, cfg["dim"], cfg["alpha"], model_dir)
-    assert_matches(gens, hf_greedy(_hf_model(model_dir, adapter_dir=adapter_dir), ps))
-    assert [g.token_ids for g in gens] == [t for t, _ in hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps)]
+    assert_matches(gens, hf.greedy(hf.load(model_dir, adapter_dir=adapter_dir), ps, N_NEW))
+    merged_reference = hf.greedy(hf.load(model_dir, merged_state(trainers)), ps, N_NEW)
+    assert [g.token_ids for g in gens] == [t for t, _ in merged_reference]
     assert_trainer_agrees(trainers, lora_engine, seed=300)
     # next step and refit: a new adapter id, and the new factors are served
     train_step(trainers, engines)
     refit_from(trainers, lora_engine, "adapter")
     assert lora_engine.call("info")[0]["adapter_id"] == 2
-    assert_matches(greedy(lora_engine, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
+    assert_matches(greedy(lora_engine, ps), hf.greedy(hf.load(model_dir, merged_state(trainers)), ps, N_NEW))
 
 
 def test_broadcast_transport_gloo_through_actors(engines, trainers, model_dir):
@@ -315,7 +287,7 @@ def test_broadcast_transport_gloo_through_actors(engines, trainers, model_dir):
             assert not sync.is_stale(version) and sync.is_stale(version + 1)
             assert report.transport == "broadcast" and report.bytes > 0 and report.transfer_and_update_weights_s > 0
             assert report.buckets > 1
-            assert_matches(greedy(engines, ps), hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps))
+            assert_matches(greedy(engines, ps), hf.greedy(hf.load(model_dir, merged_state(trainers)), ps, N_NEW))
     finally:
         sync.close()
     assert engines.transport == "ray" and sync.generators_version is None
@@ -430,7 +402,7 @@ def test_the_pipelined_loops_take_and_deliver_write_in_place(engines, trainers, 
     first = sync.take(1)
     train_step(trainers, engines)
     second = sync.take(2)
-    expected = hf_greedy(_hf_model(model_dir, merged_state(trainers)), ps)
+    expected = hf.greedy(hf.load(model_dir, merged_state(trainers)), ps, N_NEW)
     sync.deliver(first)
     greedy(engines, ps)
     train_step(trainers, engines)

@@ -14,11 +14,11 @@ reproduced: when it stops reproducing, the refusal in launcher/config/validate.p
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
+from tests.helpers import hf_reference as hf
+from tests.helpers.hf_reference import assert_close, token_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -38,35 +38,6 @@ def make_group(model_dir, tp=1, ep=1, peft=ATTENTION, seed=11):
     config = TrainerConfig.from_sections(str(model_dir), parallel=parallel, peft=peft, optim=OPTIM, seed=seed,
                                          max_num_steps=20)
     return ProbedTrainerGroup(config, num_ranks=max(tp, ep))
-
-
-def hf_model(model_dir, state=None, tmp=None):
-    """HF Qwen3-MoE on model_dir's weights, or on `state` (HF names) written as a checkpoint: transformers
-    holds the experts fused in memory and converts the per-expert names only when loading files."""
-    import transformers
-    from safetensors.torch import save_file
-
-    if state is not None:
-        for f in model_dir.iterdir():
-            if not f.name.endswith(".safetensors"):
-                shutil.copy(f, tmp / f.name)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        model_dir = tmp
-    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def token_logprobs(model, input_ids):
-    logp = torch.log_softmax(model(input_ids).logits.float(), dim=-1)
-    out = torch.zeros(input_ids.shape, dtype=torch.float32)
-    out[:, 1:] = logp[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
-    return out
-
-
-def assert_close(a, b, what, atol=ATOL):
-    err = (a - b).abs().max().item()
-    assert err <= atol, f"{what}: max abs diff {err:.3e} > {atol:.0e}"
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +85,9 @@ def test_moe_forward_matches_hf_at_ep1_and_ep2(groups, batch, model_dir, tmp_pat
         assert "model.layers.1.mlp.experts.3.down_proj.weight" in merged  # all 4 experts, gathered over EP
         d = tmp_path / name
         d.mkdir()
-        reference = token_logprobs(hf_model(model_dir, merged, d), batch["input_ids"])
+        reference = token_logprobs(hf.load(model_dir, merged, files_in=d), batch["input_ids"])
         assert_close(groups[name].logprobs(batch), reference, f"{name} vs HF on its merged export")
-    base = token_logprobs(hf_model(model_dir), batch["input_ids"])
+    base = token_logprobs(hf.load(model_dir), batch["input_ids"])
     assert (groups["ep2"].logprobs(batch, adapters=False) - base).abs().max().item() <= ATOL  # reference policy
 
 
@@ -128,7 +99,7 @@ def test_the_same_step_at_ep1_and_ep2(groups, batch, model_dir, tmp_path):
     after = groups["ep2"].logprobs(batch)
     assert_close(groups["ep1"].logprobs(batch), after, "EP1 vs EP2 after one step")
     merged = dict(groups["ep2"].export_merged())
-    assert_close(after, token_logprobs(hf_model(model_dir, merged, tmp_path), batch["input_ids"]),
+    assert_close(after, token_logprobs(hf.load(model_dir, merged, files_in=tmp_path), batch["input_ids"]),
                  "EP2 after a step vs HF on its merged export")
 
 
@@ -172,10 +143,8 @@ def exported(groups, model_dir, tmp_path_factory):
 
 
 def test_peft_export_from_an_ep2_checkpoint(groups, exported, batch, model_dir):
-    from peft import PeftModel
-
     assert exported.target_modules == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    model = PeftModel.from_pretrained(hf_model(model_dir), str(exported.out)).eval()
+    model = hf.load(model_dir, adapter_dir=exported.out)
     lora_layers = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
     assert len(lora_layers) == 2 * 4  # every attention projection of both layers got its adapter
     assert_close(token_logprobs(model, batch["input_ids"]), groups["ep2"].logprobs(batch), "PEFT adapter vs trainer")
@@ -187,8 +156,6 @@ def test_vllm_serve_with_the_exporters_hint_serves_the_moe_adapter(exported, mod
     PeftModel's, and differ from the base's."""
     from pathlib import Path
 
-    from peft import PeftModel
-
     from launcher.export import Report
     from tests.helpers.vllm_server import post, serve_args, vllm_server
 
@@ -196,8 +163,8 @@ def test_vllm_serve_with_the_exporters_hint_serves_the_moe_adapter(exported, mod
     args = serve_args(report.serve_command())
     assert args[args.index("--lora-target-modules") + 1:] == ["gate", "k_proj", "o_proj", "q_proj", "v_proj"]
     ids = torch.tensor(prompts(1, seed=5)[0] + prompts(1, seed=6)[0])[None]
-    base = token_logprobs(hf_model(model_dir), ids)[0, 1:]
-    peft_ = token_logprobs(PeftModel.from_pretrained(hf_model(model_dir), str(exported.out)).eval(), ids)[0, 1:]
+    base = token_logprobs(hf.load(model_dir), ids)[0, 1:]
+    peft_ = token_logprobs(hf.load(model_dir, adapter_dir=exported.out), ids)[0, 1:]
     with vllm_server(args, tmp_path / "server.log") as (url, _, _):
         def served(model: str) -> torch.Tensor:
             r = post(f"{url}/v1/completions", {"model": model, "prompt": ids[0].tolist(), "max_tokens": 1,
@@ -305,8 +272,8 @@ def test_bridge_merged_export_with_lora_on_experts(groups, batch, model_dir, tmp
             merged = dict(group.export_merged())
             d = tmp_path / f"ep{ep}"
             d.mkdir()
-            hf = token_logprobs(hf_model(model_dir, merged, d), batch["input_ids"])
-            errors[ep] = (hf - group.logprobs(batch)).abs().max().item()
+            reference = token_logprobs(hf.load(model_dir, merged, files_in=d), batch["input_ids"])
+            errors[ep] = (reference - group.logprobs(batch)).abs().max().item()
             if ep == 2:
                 locals_ = {"merged": merged, "rank0": group.call("parameters_snapshot")[0]}
         finally:
@@ -403,7 +370,8 @@ def test_merged_refit_is_exact_when_vllm_pads_the_expert_width(groups, engines, 
             ps = prompts(4, seed=10 + step)
             sampled = sequences_batch(engine.generate(ps, temperature=1.0, max_tokens=8, seeds=[1, 2, 3, 4]), ps)
             trained = group.logprobs(sampled)
-            assert agreement_metrics(sampled["generation_logprobs"], trained, sampled["loss_mask"])["gen_kl_error"] < 1e-5
+            metrics = agreement_metrics(sampled["generation_logprobs"], trained, sampled["loss_mask"])
+            assert metrics["gen_kl_error"] < 1e-5, metrics
             on = sampled["loss_mask"].bool()
             moved = (trained - group.logprobs(sampled, adapters=False))[on].abs().max().item()
             assert moved > 1e-3 and (sampled["generation_logprobs"] - trained)[on].abs().max().item() < moved / 100

@@ -30,6 +30,9 @@ import torch
 
 from launcher.config import model_facts
 
+from tests.helpers import hf_reference as hf
+from tests.helpers.hf_reference import assert_close, token_logprobs
+
 pytestmark = pytest.mark.integration
 
 ATOL = 1e-5
@@ -54,36 +57,6 @@ def make_group(model_dir, tp=1, ep=1, peft=LORA, dtype="float32"):
     config = TrainerConfig.from_sections(str(model_dir), parallel=parallel, peft=peft, optim=OPTIM, seed=11,
                                          max_num_steps=20, dtype=dtype)
     return ProbedTrainerGroup(config, num_ranks=max(tp, ep))
-
-
-def hf_model(model_dir, state=None, tmp=None):
-    """transformers' NemotronHForCausalLM on model_dir's weights, or on `state` (HF names) written as a
-    checkpoint next to model_dir's other files (transformers renames backbone.* only when loading files)."""
-    import transformers
-    from safetensors.torch import save_file
-
-    if state is not None:
-        tmp.mkdir(parents=True, exist_ok=True)
-        for f in Path(model_dir).iterdir():
-            if not f.name.endswith(".safetensors"):
-                shutil.copy(f, tmp / f.name)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        model_dir = tmp
-    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def token_logprobs(model, input_ids):
-    logp = torch.log_softmax(model(input_ids).logits.float(), dim=-1)
-    out = torch.zeros(input_ids.shape, dtype=torch.float32)
-    out[:, 1:] = logp[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
-    return out
-
-
-def assert_close(a, b, what, atol=ATOL):
-    err = (a - b).abs().max().item()
-    assert err <= atol, f"{what}: max abs diff {err:.3e} > {atol:.0e}"
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +98,7 @@ def groups(local_ray, model_dir, tmp_path_factory):
 
 def test_megatron_matches_hf_at_tp1_and_tp2(groups, batch, model_dir, tmp_path):
     ids = batch["input_ids"]
-    assert_close(groups["tp1"].logprobs(batch, adapters=False), token_logprobs(hf_model(model_dir), ids),
+    assert_close(groups["tp1"].logprobs(batch, adapters=False), token_logprobs(hf.load(model_dir), ids),
                  "TP1 base vs HF")
     for name in ("tp1", "tp2"):
         merged = dict(groups[name].export_merged())
@@ -133,7 +106,7 @@ def test_megatron_matches_hf_at_tp1_and_tp2(groups, batch, model_dir, tmp_path):
                 "backbone.layers.4.mixer.fc1_latent_proj.weight"} <= set(merged)
         assert not [n for n in merged if n.startswith("mtp.")]   # the trainer builds no MTP layers
         with_lora = groups[name].logprobs(batch)
-        assert_close(with_lora, token_logprobs(hf_model(model_dir, merged, tmp_path / name), ids),
+        assert_close(with_lora, token_logprobs(hf.load(model_dir, merged, files_in=tmp_path / name), ids),
                      f"{name} vs HF on its merged export")
     # the adapters matter (B starts non-zero), so the comparison above could fail
     assert (groups["tp1"].logprobs(batch) - groups["tp1"].logprobs(batch, adapters=False)).abs().max() > 1e-2
@@ -333,13 +306,12 @@ def exported(groups, model_dir, tmp_path_factory):
 
 def test_exported_adapter_attaches_fully_to_either_stack_name_and_is_the_trainer(groups, exported, batch, model_dir,
                                                                                   tmp_path):
-    from peft import PeftModel
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
     assert exported.target_modules == ["down_proj", "in_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     trainer = groups["tp2"].logprobs(batch)
     for base in (model_dir, stack_named_model_layers(model_dir, tmp_path / "model-layers")):
-        model = PeftModel.from_pretrained(hf_model(base), str(exported.out)).eval()
+        model = hf.load(base, adapter_dir=exported.out)
         result = set_peft_model_state_dict(model, load_peft_weights(str(exported.out)))
         assert result.unexpected_keys == [] and [k for k in result.missing_keys if "lora_" in k] == []
         wrapped = sorted(n.split("base_model.model.")[1] for n, _ in model.named_modules() if n.endswith(".lora_A"))
@@ -367,8 +339,6 @@ def stack_named_model_layers(model_dir: Path, out: Path) -> Path:
 
 
 def test_vllm_serve_with_the_exporters_hint_serves_the_adapter(exported, model_dir, tmp_path):
-    from peft import PeftModel
-
     from launcher.export import Report
     from tests.helpers.vllm_server import post, serve_args, vllm_server
 
@@ -376,8 +346,8 @@ def test_vllm_serve_with_the_exporters_hint_serves_the_adapter(exported, model_d
     args = serve_args(report.serve_command())
     assert "--lora-target-modules" in args  # an MoE base: its experts stay unwrapped
     ids = torch.tensor(prompts(6)[2][:40])[None]
-    base = token_logprobs(hf_model(model_dir), ids)[0, 1:]
-    with_peft = token_logprobs(PeftModel.from_pretrained(hf_model(model_dir), str(exported.out)).eval(), ids)[0, 1:]
+    base = token_logprobs(hf.load(model_dir), ids)[0, 1:]
+    with_peft = token_logprobs(hf.load(model_dir, adapter_dir=exported.out), ids)[0, 1:]
     with vllm_server(args, tmp_path / "server.log") as (url, _, _):
         def served(model: str) -> torch.Tensor:
             r = post(f"{url}/v1/completions", {"model": model, "prompt": ids[0].tolist(), "max_tokens": 1,
@@ -407,7 +377,7 @@ def test_ep2_with_lora_on_out_proj_matches_hf_refits_exactly_and_refuses_to_expo
         ep2.train(with_prev(ep2, batch))
         merged = dict(ep2.export_merged())
         assert "backbone.layers.4.mixer.experts.15.down_proj.weight" in merged  # every expert, gathered over EP
-        assert_close(ep2.logprobs(batch), token_logprobs(hf_model(model_dir, merged, tmp_path / "hf"),
+        assert_close(ep2.logprobs(batch), token_logprobs(hf.load(model_dir, merged, files_in=tmp_path / "hf"),
                                                          batch["input_ids"]), "EP2 vs HF on its merged export")
         refit_and_check(ep2, engines["merged_delta"], "merged_delta", seed=9)
         ep2.save_state(tmp_path / "ckpt")
@@ -431,7 +401,7 @@ def test_the_other_recipes_match_hf(local_ray, tiny_model, batch, tmp_path, reci
         merged = dict(group.export_merged())
         assert any("experts" in n for n in merged) == (recipe == "tiny_nemotron_h")
         assert not any("latent" in n for n in merged)
-        assert_close(group.logprobs(batch), token_logprobs(hf_model(model_dir, merged, tmp_path),
+        assert_close(group.logprobs(batch), token_logprobs(hf.load(model_dir, merged, files_in=tmp_path),
                                                            batch["input_ids"]), f"{recipe} vs HF")
         assert (group.logprobs(batch) - group.logprobs(batch, adapters=False)).abs().max() > 1e-2
     finally:

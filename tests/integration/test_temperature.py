@@ -11,6 +11,8 @@ import torch
 
 from launcher.driver.agreement import agreement_metrics
 from launcher.driver.rollout import Rollout, build_batch
+from tests.helpers import hf_reference as hf
+from tests.helpers.hf_reference import token_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -22,18 +24,6 @@ OPTIM = {"optimizer": "adam", "lr": 5e-3, "min_lr": 5e-3, "clip_grad": 1.0, "lr_
 LOSS = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": 10.0, "reference_policy_kl_penalty": 0.0,
         "truncated_importance_sampling_ratio": 5.0, "token_level_loss": True}
 SLOT = {"resources": {"generation_slot": 1}, "num_cpus": 1}
-
-
-def hf_logprobs(model_dir, input_ids, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / temperature) of each next token, from HF transformers."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids).logits.float() / temperature, dim=-1)
-    out = torch.zeros(input_ids.shape, dtype=torch.float32)
-    out[:, 1:] = logp[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +54,17 @@ def sampled(local_ray, tiny_model):
 
 def test_trainer_logprobs_are_log_softmax_of_logits_over_temperature(sampled):
     model_dir, batch = sampled
-    ref = hf_logprobs(model_dir, batch["input_ids"], T)
+    ref = token_logprobs(hf.load(model_dir), batch["input_ids"], T)
     mask = batch["loss_mask"] > 0
     err = (batch["prev_logprobs"] - ref).abs()[mask].max().item()
     assert err < 1e-5, err
-    untempered = hf_logprobs(model_dir, batch["input_ids"], 1.0)
+    untempered = token_logprobs(hf.load(model_dir), batch["input_ids"], 1.0)
     assert (untempered - ref).abs()[mask].max().item() > 1e-2  # what T=1 logprobs would have been: far off
 
 
 def test_vllm_reports_the_same_tempered_logprobs(sampled):
     model_dir, batch = sampled
-    ref = hf_logprobs(model_dir, batch["input_ids"], T)
+    ref = token_logprobs(hf.load(model_dir), batch["input_ids"], T)
     mask = batch["loss_mask"] > 0
     assert (batch["generation_logprobs"] - ref).abs()[mask].max().item() < 1e-4  # vLLM CPU kernels vs torch
     m = agreement_metrics(batch["generation_logprobs"], batch["prev_logprobs"], batch["loss_mask"])

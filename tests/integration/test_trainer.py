@@ -14,6 +14,9 @@ import re
 import pytest
 import torch
 
+from tests.helpers import hf_reference as hf
+from tests.helpers.hf_reference import assert_close, token_logprobs
+
 
 pytestmark = pytest.mark.integration
 
@@ -36,19 +39,6 @@ def make_config(model_dir, tp=1, peft=PEFT, micro_batch_size=0):
 
     return TrainerConfig.from_sections(str(model_dir), parallel={"tensor_parallel": tp, "micro_batch_size": micro_batch_size},
                                        peft=peft, optim=OPTIM, loss=LOSS, seed=11, max_num_steps=20)
-
-
-def hf_logprobs(model_dir, input_ids, state=None):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    if state is not None:
-        model.load_state_dict(dict(state), strict=True)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids).logits.float(), dim=-1)
-    out = torch.zeros(input_ids.shape, dtype=torch.float32)
-    out[:, 1:] = logp[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +81,6 @@ def groups(local_ray, model_dir, tmp_path_factory):
         g.shutdown()
 
 
-def assert_close(a, b, what, atol=ATOL):
-    err = (a - b).abs().max().item()
-    assert err <= atol, f"{what}: max abs diff {err:.3e} > {atol:.0e}"
-
-
 # --------------------------------------------------------------------------- start-up
 
 
@@ -123,7 +108,7 @@ def test_peft_statistics_printed_by_rank0(groups):
 
 
 def test_initial_logprobs_match_hf(groups, model_dir, batch):
-    ref = hf_logprobs(model_dir, batch["input_ids"])
+    ref = token_logprobs(hf.load(model_dir), batch["input_ids"])
     for name in ("tp1", "tp2"):
         lp = groups[name].logprobs(batch)
         assert lp.dtype == torch.float32 and lp.shape == batch["input_ids"].shape
@@ -166,7 +151,7 @@ def test_train_changes_only_adapters_and_tp_agrees(groups, batch):
 
 
 def test_reference_policy_is_the_pretrained_model(groups, model_dir, batch):
-    ref = hf_logprobs(model_dir, batch["input_ids"])
+    ref = token_logprobs(hf.load(model_dir), batch["input_ids"])
     for name in ("tp1", "tp2"):
         g = groups[name]
         assert (g.logprobs(batch) - ref).abs().max() > 1e-3  # the adapters do change the policy
@@ -180,7 +165,7 @@ def test_merged_export_reproduces_trainer_logprobs(groups, model_dir, batch):
         names = [n for n, _ in exported]
         assert len(names) == len(set(names)) and "lm_head.weight" in names
         assert not [n for n in names if ".base_layer" in n or ".adapter" in n or ".lora_" in n]
-        assert_close(hf_logprobs(model_dir, batch["input_ids"], exported), g.logprobs(batch),
+        assert_close(token_logprobs(hf.load(model_dir, exported), batch["input_ids"]), g.logprobs(batch),
                      f"{name}: HF with merged export vs trainer")
 
 
@@ -296,7 +281,8 @@ def test_full_finetuning_trains_every_weight(local_ray, model_dir, batch):
                                                                      "output_layer.weight"))
         exported = group.export_merged()
         assert group.adapter_state() == {}
-        assert_close(hf_logprobs(model_dir, batch["input_ids"], exported), group.logprobs(batch), "full FT export")
+        assert_close(token_logprobs(hf.load(model_dir, exported), batch["input_ids"]), group.logprobs(batch),
+                     "full FT export")
     finally:
         group.shutdown()
 

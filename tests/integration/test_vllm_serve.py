@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lora_runs import trained_run
+from tests.helpers import hf_reference as hf
 from tests.helpers.vllm_server import get, post, serve_args, vllm_server
 
 pytestmark = pytest.mark.integration
@@ -69,14 +70,6 @@ def test_models_lists_base_and_adapter_with_parent(server):
     assert models[server["base"]]["parent"] is None
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt):].tolist()
-
-
 def test_greedy_completion_with_adapter_equals_peft_and_differs_from_base(server):
     import peft
     import transformers
@@ -84,9 +77,9 @@ def test_greedy_completion_with_adapter_equals_peft_and_differs_from_base(server
     tokenizer = transformers.AutoTokenizer.from_pretrained(server["base"])
     base = transformers.AutoModelForCausalLM.from_pretrained(server["base"], dtype=torch.float32).eval()
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    base_tokens = [hf_greedy(base, p, NEW_TOKENS) for p in prompts]
+    base_tokens = [t for t, _ in hf.greedy(base, prompts, NEW_TOKENS)]
     peft_model = peft.PeftModel.from_pretrained(base, str(server["adapter"])).eval()
-    peft_tokens = [hf_greedy(peft_model, p, NEW_TOKENS) for p in prompts]
+    peft_tokens = [t for t, _ in hf.greedy(peft_model, prompts, NEW_TOKENS)]
 
     def served(model: str) -> list[list[int]]:
         out = []
