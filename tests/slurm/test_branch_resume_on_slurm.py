@@ -12,51 +12,38 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.held_step import HELD_REWARD, HELD_STEP, steps_logged
 from tests.helpers.preemption import signal_in_held_step
+from tests.helpers.slurm_jobs import driver_out, submit, task_log
 
 pytestmark = pytest.mark.slurm
-PY = sys.executable
 COMMON = ["topology=slurm_3n", "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false"]
 
 
 
-def submit(root: Path, *overrides: str) -> tuple[str, subprocess.CompletedProcess]:
-    p = subprocess.run([PY, "-m", "launcher", f"run.root={root}", *COMMON, *overrides],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return re.search(r"submitted job (\d+)", p.stdout).group(1), p
-
-
-def log_of(run: Path, job: str) -> str:
-    d = run / "submitit" / job
-    return "".join((d / f"{job}_0_log.{e}").read_text() for e in ("out", "err") if (d / f"{job}_0_log.{e}").exists())
-
-
 def test_branch_resume_then_requeue_continues_the_branch(slurm_cluster, tmp_path):
     run = tmp_path / "slurm_3n-tiny_llama"
-    first, _ = submit(tmp_path, "grpo.max_num_steps=4", "checkpointing.save_period=2", "checkpointing.keep_top_k=null")
-    assert slurm_cluster.wait_job(first, timeout=600) == "COMPLETED", log_of(run, first)[-4000:]
+    first = submit(tmp_path, *COMMON, "grpo.max_num_steps=4", "checkpointing.save_period=2",
+                   "checkpointing.keep_top_k=null").id
+    assert slurm_cluster.wait_job(first, timeout=600) == "COMPLETED", task_log(run, first)[-4000:]
     assert steps_logged(run) == [1, 2, 3, 4]
 
-    job, p = submit(tmp_path, "+resume=step_2", "grpo.max_num_steps=6", "checkpointing.save_period=1",
+    second = submit(tmp_path, *COMMON, "+resume=step_2", "grpo.max_num_steps=6", "checkpointing.save_period=1",
                     "checkpointing.keep_top_k=1", "optim.override_opt_param_scheduler=true", *HELD_REWARD)
-    assert "starts a new branch" in p.stderr
+    job = second.id
+    assert "starts a new branch" in second.stderr and second.run == run
     (branch,) = (run / "checkpoints" / "abandoned").iterdir()
     assert [c.name for c in branch.iterdir()] == ["step_4"]
     # a preemption, as submitit's _interrupt sends it, in the branch's first step (3: its rewards are
     # held while two rows, the branch's base, are logged)
     assert HELD_STEP == 3
-    signal_in_held_step(slurm_cluster, job, run, run / "submitit" / job / f"{job}_0_log.out", ("SIGTERM", "USR2"),
+    signal_in_held_step(slurm_cluster, job, run, driver_out(run, job), ("SIGTERM", "USR2"),
                         timeout=420)
     state = slurm_cluster.wait_job(job, timeout=600)
-    text = log_of(run, job)
+    text = task_log(run, job)
     assert state == "COMPLETED", text[-5000:]
     assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job)
     assert "stopped at step 3/6" in text and f"resuming from {run}/checkpoints/step_3" in text, text[-5000:]

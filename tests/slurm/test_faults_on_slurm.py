@@ -7,34 +7,19 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.held_step import HELD_REWARD, release, steps_logged, wait_held, wait_until
 from tests.helpers.preemption import job_ended
+from tests.helpers.slurm_jobs import driver_out, submit, task_log
 from tests.helpers.slurm_nodes import kill_ray_daemon as kill_raylet
 
 pytestmark = pytest.mark.slurm
-PY = sys.executable
 STEPS = 8
-
-
-def submit(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
-    p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", f"run.root={tmp_path}",
-                        f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=2",
-                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false", *HELD_REWARD, *overrides],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    return re.search(r"submitted job (\d+)", p.stdout).group(1), tmp_path / "slurm_3n-tiny_llama"
-
-
-def log_of(run: Path, job: str) -> str:
-    d = run / "submitit" / job
-    return (d / f"{job}_0_log.out").read_text() + (d / f"{job}_0_log.err").read_text()
+FAULT_JOB = ["topology=slurm_3n", f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=2",
+             "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false", *HELD_REWARD]
 
 
 def test_the_heads_ray_lost_fails_the_job_fast_naming_the_head(slurm_cluster, tmp_path):
@@ -42,12 +27,13 @@ def test_the_heads_ray_lost_fails_the_job_fast_naming_the_head(slurm_cluster, tm
     direct calls may finish a step or two): node 0's main thread sees its own `ray start` end and
     names node 0; it never waits on the dead GCS (watch.NodeQuery); a trainer's collective
     failing with it says the same node (failures.lost_node)."""
-    job, run = submit(tmp_path)
-    wait_held(run, job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out"), timeout=420)
+    submitted = submit(tmp_path, *FAULT_JOB)
+    job, run = submitted.id, submitted.run
+    wait_held(run, job_ended(slurm_cluster, job, driver_out(run, job)), timeout=420)
     kill_raylet("node1", job, daemon="gcs_server")
     release(run)
     state = slurm_cluster.wait_job(job, timeout=60)
-    text = log_of(run, job)
+    text = task_log(run, job)
     assert state == "FAILED", text[-3000:]
     assert re.search(r"node 0 \(node1, [\w+]+\) left the Ray cluster( during \w+ at step \d+)?: this node's Ray "
                      r"stopped: `ray start` exited with code", text), text[-3000:]
@@ -61,8 +47,9 @@ def test_lost_node_ends_the_run_fast_with_its_name_then_the_restart_resumes_and_
     the job then requeues itself, resumes from the latest checkpoint and finishes every step once.
     (Without a restart a lost node's job ends FAILED: the head's test below, and the many-node
     test of test_launcher_on_slurm.py.)"""
-    job, run = submit(tmp_path, "retry.max_restarts=1", "checkpointing.keep_top_k=null")
-    ended = job_ended(slurm_cluster, job, run / "submitit" / job / f"{job}_0_log.out")
+    submitted = submit(tmp_path, *FAULT_JOB, "retry.max_restarts=1", "checkpointing.keep_top_k=null")
+    job, run = submitted.id, submitted.run
+    ended = job_ended(slurm_cluster, job, driver_out(run, job))
     wait_held(run, ended, timeout=420)
     kill_raylet("node3", job)  # in step 3 (held_step.HELD_STEP)
     wait_until("node3's bootstrap to report its Ray stopped", (run / "ray" / f"{job}.0" / "failed_node2.json").exists,
@@ -70,9 +57,9 @@ def test_lost_node_ends_the_run_fast_with_its_name_then_the_restart_resumes_and_
     time.sleep(3)  # > the main thread's 2 s node check: the run is ending while the driver thread waits
     release(run)
     # the issue's bound: a lost node ends the run (here: its first attempt) within 60 s
-    wait_until("the run to end and requeue", lambda: "requeueing job" in log_of(run, job), ended, timeout=60)
+    wait_until("the run to end and requeue", lambda: "requeueing job" in task_log(run, job), ended, timeout=60)
     state = slurm_cluster.wait_job(job, timeout=600)
-    text = log_of(run, job)
+    text = task_log(run, job)
     assert state == "COMPLETED", text[-4000:]
     # the main thread's check, while the driver thread waits in step 3 (not its vLLM engine's death)
     assert re.search(r"node 2 \(node3, generation\) left the Ray cluster during \w+ at step 3: this node's Ray "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.slurm_jobs import driver_out, submit, task_log
 from tests.helpers.slurm_nodes import NS, kill_ray_daemon, slurm_shape
 
 pytestmark = pytest.mark.slurm
@@ -21,20 +22,11 @@ PY = sys.executable
 
 def launch(tmp_path: Path, *overrides: str, shape: tuple[str, ...] = ("topology=slurm_3n",),
            nodes: int = 3) -> tuple[str, Path]:
-    p = subprocess.run([PY, "-m", "launcher", *shape, f"run.root={tmp_path}", *overrides],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    m = re.search(rf"submitted job (\d+) \({nodes} nodes\)", p.stdout)
-    assert m, p.stdout
-    run = Path(re.search(r"run directory: (\S+)", p.stdout).group(1))
-    assert f"follow the driver: tail -F {run}/submitit/{m.group(1)}/{m.group(1)}_0_log.out" in p.stdout
-    return m.group(1), run
-
-
-def task_log(run: Path, job: str, task: int = 0) -> str:
-    d = run / "submitit" / job
-    return "".join((d / f"{job}_{task}_log.{ext}").read_text() for ext in ("out", "err")
-                   if (d / f"{job}_{task}_log.{ext}").exists())
+    """A job of `nodes` nodes submitted; the launcher's line says where to follow its driver."""
+    job = submit(tmp_path, *shape, *overrides)
+    assert job.nodes == nodes, job.stdout
+    assert f"follow the driver: tail -F {driver_out(job.run, job.id)}" in job.stdout
+    return job.id, job.run
 
 
 def placement(run: Path) -> list[tuple[str, int, str]]:

@@ -12,29 +12,24 @@ in tests/e2e/test_moe_local.py and tests/integration/test_moe.py."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.helpers.preemption import finished
+from tests.helpers.slurm_jobs import submit
 
 pytestmark = pytest.mark.slurm
-PY = sys.executable
 STEPS = 6
 
 
 def test_nemotron_h_job_at_ep2_over_two_nodes_finishes_with_exact_refits_and_checkpoints(slurm_cluster, tmp_path):
-    p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", "model=tiny_nemotron_h",
-                        "topology.train.expert_parallel=2", "refit=merged_delta", f"run.root={tmp_path}",
-                        "run.name=nh", f"grpo.max_num_steps={STEPS}", "grpo.max_new_tokens=8",
-                        "checkpointing.save_period=3", "checkpointing.keep_top_k=null",
-                        "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    job = re.search(r"submitted job (\d+)", p.stdout).group(1)
-    run = tmp_path / "nh"
+    submitted = submit(tmp_path, "topology=slurm_3n", "model=tiny_nemotron_h",
+                       "topology.train.expert_parallel=2", "refit=merged_delta",
+                       "run.name=nh", f"grpo.max_num_steps={STEPS}", "grpo.max_new_tokens=8",
+                       "checkpointing.save_period=3", "checkpointing.keep_top_k=null",
+                       "+slurm.extra_sbatch.nodelist='node[1-3]'", "logging.tensorboard=false")
+    job, run = submitted.id, tmp_path / "nh"
+    assert submitted.run == run
     plan = (run / "plan.txt").read_text()
     assert "EP 2" in plan, plan
     rows = finished(slurm_cluster, job, run, STEPS)

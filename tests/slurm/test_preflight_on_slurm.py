@@ -9,30 +9,22 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.slurm_jobs import submit, task_log
+
 pytestmark = pytest.mark.slurm
-PY = sys.executable
 NS = "slt-"  # network namespace prefix of the test cluster's nodes (tests/slurm_cluster/common.sh)
 PIN = "+slurm.extra_sbatch.nodelist='node[1-3]'"
 
 
 def launch(root: Path) -> tuple[str, Path]:
-    p = subprocess.run([PY, "-m", "launcher", "topology=slurm_3n", f"run.root={root}", "run.job=preflight", PIN],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    job = re.search(r"submitted job (\d+) \(3 nodes\)", p.stdout).group(1)
-    return job, Path(re.search(r"run directory: (\S+)", p.stdout).group(1))
-
-
-def task_log(run: Path, job: str, task: int = 0) -> str:
-    d = run / "submitit" / job
-    return "".join((d / f"{job}_{task}_log.{ext}").read_text() for ext in ("out", "err")
-                   if (d / f"{job}_{task}_log.{ext}").exists())
+    job = submit(root, "topology=slurm_3n", "run.job=preflight", PIN)
+    assert job.nodes == 3, job.stdout
+    return job.id, job.run
 
 
 def test_preflight_of_a_healthy_cpu_topology_passes(slurm_cluster, tmp_path):

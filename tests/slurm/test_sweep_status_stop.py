@@ -16,6 +16,7 @@ import pytest
 from launcher.sweep import read as read_sweep
 from tests.helpers.held_step import HELD_REWARD, HELD_STEP, release, wait_held, wait_until
 from tests.helpers.preemption import job_ended
+from tests.helpers.slurm_jobs import driver_out, task_log
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -26,11 +27,6 @@ def status(*args: str) -> list[dict]:
     p = subprocess.run([PY, "-m", "launcher.status", *args, "--json"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
-
-
-def driver_log(run: Path, job: str) -> str:
-    d = run / "submitit" / job
-    return "".join((d / f"{job}_0_log.{e}").read_text() for e in ("out", "err") if (d / f"{job}_0_log.{e}").exists())
 
 
 def test_sweep_submits_one_job_per_point_status_follows_them_stop_ends_one_without_requeue(slurm_cluster, tmp_path):
@@ -58,11 +54,11 @@ def test_sweep_submits_one_job_per_point_status_follows_them_stop_ends_one_witho
         assert [i["job_id"] for i in infos] == jobs
         for k, i in enumerate(infos):
             seen[k].add(i["state"])
-            assert i["state"] in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED"), (i, driver_log(runs[k], jobs[k]))
+            assert i["state"] in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED"), (i, task_log(runs[k], jobs[k]))
             assert i["max_num_steps"] == (3, LONG)[k] and i["attempts"] == 1
         if infos[1]["checkpoint"] and infos[1]["step"] >= 2 and infos[1]["state"] == "RUNNING":
             break
-        assert time.time() < deadline, (infos, driver_log(runs[1], jobs[1])[-3000:])
+        assert time.time() < deadline, (infos, task_log(runs[1], jobs[1])[-3000:])
         time.sleep(2)
     assert "RUNNING" in seen[1]
     running = infos[1]
@@ -70,16 +66,16 @@ def test_sweep_submits_one_job_per_point_status_follows_them_stop_ends_one_witho
     assert any(log.endswith(f"{jobs[1]}_0_log.out") for log in running["logs"])
 
     # stop the long one while it is held in step HELD_STEP: after that step and a checkpoint, no requeue
-    ended = job_ended(slurm_cluster, jobs[1], runs[1] / "submitit" / jobs[1] / f"{jobs[1]}_0_log.out")
+    ended = job_ended(slurm_cluster, jobs[1], driver_out(runs[1], jobs[1]))
     wait_held(runs[1], ended, timeout=120)
     t0 = time.time()
     stop = subprocess.Popen([PY, "-m", "launcher.stop", str(runs[1]), "--timeout", "300"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until("the job to take the stop request", lambda: "stop requested (" in driver_log(runs[1], jobs[1]),
+    wait_until("the job to take the stop request", lambda: "stop requested (" in task_log(runs[1], jobs[1]),
                ended, timeout=120)
     release(runs[1])
     out, err = stop.communicate(timeout=360)
-    log1 = driver_log(runs[1], jobs[1])
+    log1 = task_log(runs[1], jobs[1])
     assert stop.returncode == 0, out + err + log1[-3000:]
     assert f"asked job {jobs[1]} ({names[1]}, step " in out
     m = re.search(rf"job {jobs[1]} stopped at \S+ at step (\d+)/{LONG} \(newest checkpoint (\S+)\); state COMPLETED, "
@@ -91,7 +87,7 @@ def test_sweep_submits_one_job_per_point_status_follows_them_stop_ends_one_witho
     assert "stop requested (python -m launcher.stop" in log1 and "not requeued" in log1
     assert "requeueing" not in log1
 
-    assert slurm_cluster.wait_job(jobs[0], timeout=480) == "COMPLETED", driver_log(runs[0], jobs[0])[-3000:]
+    assert slurm_cluster.wait_job(jobs[0], timeout=480) == "COMPLETED", task_log(runs[0], jobs[0])[-3000:]
     assert slurm_cluster.wait_job(jobs[1], timeout=60) == "COMPLETED"
     sacct = slurm_cluster.run("sacct", "-n", "-X", "-P", "-D", "-j", jobs[1], "-o", "State").split()
     assert sacct == ["COMPLETED"]  # one instance: never requeued

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.slurm_jobs import submit
+
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
-PY = sys.executable
 NODES = 6
 ROW = re.compile(r"^node (\d+)\s+(\S+)(?: \(head\))?\s+(\S+)\s+(.+?)\s+(\d+)$")
 
@@ -47,15 +45,10 @@ def test_ultra_6n4g_places_16_trainers_and_the_tp8_engine_where_the_plan_says(sl
     from tests.helpers.nemotron_h import ULTRA_STAND_IN
 
     # the test nodes have fewer cores than a GB200 node (the topology asks for 128): all of theirs
-    p = subprocess.run([PY, "-m", "launcher", "topology=ultra_6n4g", "run.job=placement_smoke", *ULTRA_STAND_IN,
-                        f"topology.cpus_per_node={slurm_cluster.cpus_per_node}", f"run.root={tmp_path}",
-                        "logging.tensorboard=false"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    job = re.search(rf"submitted job (\d+) \({NODES} nodes\)", p.stdout)
-    assert job, p.stdout
-    job = job[1]
-    run = Path(re.search(r"run directory: (\S+)", p.stdout)[1])
+    submitted = submit(tmp_path, "topology=ultra_6n4g", "run.job=placement_smoke", *ULTRA_STAND_IN,
+                       f"topology.cpus_per_node={slurm_cluster.cpus_per_node}", "logging.tensorboard=false")
+    assert submitted.nodes == NODES, submitted.stdout
+    job, run = submitted.id, submitted.run
     state = slurm_cluster.wait_job(job, timeout=480)
     d = run / "submitit" / job
     log = "".join(f.read_text() for f in sorted(d.glob(f"{job}_0_log.*")))
