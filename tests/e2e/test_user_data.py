@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import deterministic, rows, trainer_tensors
+from tests.helpers.runs import deterministic, launch, rows, trainer_tensors
 
 pytestmark = pytest.mark.e2e
 PY = sys.executable
@@ -53,26 +53,21 @@ def user_files(tmp_path_factory):
             "reward": d / "my_reward.py"}
 
 
-def user_run(f: dict, root: Path, *extra: str) -> list[str]:
-    return [PY, "-m", "launcher", f"run.root={root}", "run.name=mine", f"model.path={f['model']}",
-            f"data.train={f['train']}", f"data.validation={f['val']}", "data.prompt_key=instruction",
-            f"reward.fn={f['reward']}:in_range", "grpo.val_period=4", "grpo.val_at_start=true",
-            "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_gen_batches=2",
-            "grpo.overlong_penalty.enabled=true", "grpo.overlong_penalty.buffer_tokens=2",
-            "grpo.overlong_penalty.max_penalty=0.1", f"grpo.max_num_steps={STEPS}",
-            "checkpointing.save_period=4", "checkpointing.keep_top_k=null", "logging.tensorboard=false", *extra]
-
-
-def launch(cmd: list[str]) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    return p
+def user_run(f: dict, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The user's run, named mine, under root: to its end, its exit code 0."""
+    return launch(root, "run.name=mine", f"model.path={f['model']}",
+                  f"data.train={f['train']}", f"data.validation={f['val']}", "data.prompt_key=instruction",
+                  f"reward.fn={f['reward']}:in_range", "grpo.val_period=4", "grpo.val_at_start=true",
+                  "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_gen_batches=2",
+                  "grpo.overlong_penalty.enabled=true", "grpo.overlong_penalty.buffer_tokens=2",
+                  "grpo.overlong_penalty.max_penalty=0.1", f"grpo.max_num_steps={STEPS}",
+                  "checkpointing.save_period=4", "checkpointing.keep_top_k=null", "logging.tensorboard=false", *extra)
 
 
 @pytest.fixture(scope="module")
 def straight(user_files, tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
-    p = launch(user_run(user_files, root))
+    p = user_run(user_files, root)
     return root / "mine", p
 
 
@@ -107,7 +102,7 @@ def test_resume_with_dynamic_sampling_and_validation_equals_the_uninterrupted_ru
     run_a, _ = straight
     run_b = tmp_path / "mine"
     shutil.copytree(run_a, run_b, ignore=shutil.ignore_patterns("step_12", "ray", "submitit"))
-    p = launch(user_run(user_files, tmp_path, "+resume=step_8"))
+    p = user_run(user_files, tmp_path, "+resume=step_8")
     info = json.loads((run_a / "checkpoints" / "step_8" / "training_info.json").read_text())
     assert f"(step 8, {info['consumed_prompts']} prompts consumed" in p.stdout
     assert info["consumed_prompts"] >= 8 * 8  # dynamic sampling advanced the position by whole rounds
