@@ -28,7 +28,7 @@ from pathlib import Path
 
 from launcher import files, paths, records
 from launcher.config import compose as config_mod
-from launcher.config.compose import ConfigError
+from launcher.config.compose import ConfigError, parse_overrides
 
 MAX_POINTS = 64         # --max-points N raises it
 NAME_MAX = paths.NAME_MAX
@@ -211,15 +211,5 @@ def table(points: list[Point], rows: list[dict]) -> str:
 
 
 def _parse(overrides: list[str]):
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    parser = OverridesParser.create()
-    out = []
-    for o in overrides:
-        try:
-            out.extend(parser.parse_overrides([o]))
-        except OverrideParseException:
-            raise ConfigError(o, "cannot parse this override (expected key=value or a sweep a=1,2; quote "
-                                 "values with special characters: key='a b')") from None
-    return out
+    return parse_overrides(overrides, "expected key=value or a sweep a=1,2; quote values with special "
+                                      "characters: key='a b'")

@@ -9,7 +9,7 @@ expand exponentially, cut in half or of the wrong shape must end in one line nam
 here, and only here:
 
   read_bytes / read_text   at most `limit` bytes (a bigger file is refused before it is read)
-  parse_json / json_file   JSON without NaN/Infinity, at most `depth` levels of nesting
+  parse_json / json_file   JSON without NaN/Infinity, at most `depth` levels of nesting, every number a float's
   jsonl_objects            the whole JSON objects of a JSONL file being appended to (others skipped)
   parse_yaml / yaml_file   YAML with the safe loader, without aliases (`*a`, `<<: *a`: this
                            launcher writes none), at most `nodes` nodes and `depth` levels
@@ -97,33 +97,41 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def depth_of(obj: Any, limit: int) -> int:
-    """How deep `obj` nests (lists and objects), counting up to `limit` + 1 (iterative: no recursion)."""
-    deepest, todo = 0, [(obj, 1)]
+FLOAT_MAX = 1.7976931348623157e308  # sys.float_info.max: every number read from a file converts to a float
+
+
+def _shape_error(obj: Any, limit: int) -> str | None:
+    """What is wrong with the shape of a parsed file: nested deeper than `limit`, or a number that
+    does not convert to a float (a 400-digit integer); None when nothing is. Iterative: no recursion."""
+    todo = [(obj, 1, "")]
     while todo:
-        x, d = todo.pop()
+        x, d, at = todo.pop()
         if isinstance(x, dict):
-            x = list(x.values())
-        elif not isinstance(x, list):
+            items = [(f"{at}.{k}" if at else str(k), v) for k, v in x.items()]
+        elif isinstance(x, list):
+            items = [(f"{at}[{i}]", v) for i, v in enumerate(x)]
+        else:
+            if isinstance(x, int) and not isinstance(x, bool) and abs(x) > FLOAT_MAX:
+                return f"{at or 'the value'}: a number of {len(str(abs(x)))} digits (no field takes more than a float)"
             continue
-        deepest = max(deepest, d)
-        if deepest > limit:
-            return deepest
-        todo.extend((v, d + 1) for v in x if isinstance(v, (dict, list)))
-    return deepest
+        if d > limit:
+            return f"nested more than {limit} levels deep"
+        todo.extend((v, d + 1, k) for k, v in items if isinstance(v, (dict, list, int)))
+    return None
 
 
 def parse_json(data: str | bytes, where: Path | str, depth: int = JSON_DEPTH) -> Any:
     """JSON text -> its value; FileError naming `where` when it is not JSON (NaN and Infinity are
-    not), or nests deeper than `depth`."""
+    not), nests deeper than `depth` or holds a number too large for a float."""
     try:
         obj = json.loads(data, parse_constant=_no_constant)
     except RecursionError:
         raise FileError(where, "", f"nested more than {depth} levels deep") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise FileError(where, "", f"not valid JSON ({str(e).splitlines()[0][:80]})") from None
-    if depth_of(obj, depth) > depth:
-        raise FileError(where, "", f"nested more than {depth} levels deep")
+    wrong = _shape_error(obj, depth)
+    if wrong:
+        raise FileError(where, "", wrong)
     return obj
 
 
@@ -203,7 +211,11 @@ def parse_yaml(text: str, where: Path | str, nodes: int = YAML_NODES, depth: int
     loader = _loader()(text)
     loader.budget, loader.max_depth = nodes, depth
     try:
-        return loader.get_single_data()
+        obj = loader.get_single_data()
+        wrong = _shape_error(obj, depth)
+        if wrong:
+            raise _Refused(wrong)
+        return obj
     except _Refused as e:
         raise FileError(where, "", str(e)) from None
     except yaml.YAMLError as e:
@@ -214,6 +226,8 @@ def parse_yaml(text: str, where: Path | str, nodes: int = YAML_NODES, depth: int
                                    f"YAML loader)") from None
     except RecursionError:
         raise FileError(where, "", f"nested more than {depth} levels deep") from None
+    except (ValueError, OverflowError) as e:  # a number of more digits than Python converts
+        raise FileError(where, "", f"a number too long to read ({str(e).split(';')[0]})") from None
     finally:
         loader.dispose()
 

@@ -34,14 +34,21 @@ def compose(overrides: list[str], notes: list[str] | None = None) -> DictConfig:
 
     for o in overrides:
         _check_group_choice(o)
+    parse_overrides(overrides)  # an override Hydra cannot parse: one line naming it
     _register_schema_sections()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name="launcher"):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
     except OverrideParseException:
-        raise ConfigError(_unparsable(overrides), "cannot parse this override (expected key=value; quote "
-                                                  "values with special characters: key='a b')") from None
+        raise ConfigError("overrides", "cannot parse them (expected key=value; quote values with special "
+                                       "characters: key='a b')") from None
+    except (ValueError, OverflowError) as e:  # a number too large for its field's type (int -> float)
+        import re
+
+        named = re.search(r"full_key: (\S+)", str(e))  # OmegaConf re-raises others' errors with it in the text
+        key = named.group(1) if named else _override_of(e, overrides)
+        raise ConfigError(str(key), f"a number too large for this key ({_first_line(e)})") from None
     except MissingConfigException as e:
         raise ConfigError("config", _first_line(e)) from None
     except HydraException as e:
@@ -112,17 +119,26 @@ def _check_group_choice(override: str) -> None:
         raise ConfigError(key, f"no option {value!r}; available: {', '.join(group_options(key))}")
 
 
-def _unparsable(overrides: list[str]) -> str:
+PARSE_HINT = "expected key=value; quote values with special characters: key='a b'"
+
+
+def parse_overrides(overrides: list[str], hint: str = PARSE_HINT) -> list:
+    """Hydra's parse of each override (its Override objects); ConfigError naming the first it cannot
+    parse, a number of more digits than Python converts (4300) among them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
     parser = OverridesParser.create()
+    out = []
     for o in overrides:
         try:
-            parser.parse_overrides([o])
+            out.extend(parser.parse_overrides([o]))
         except OverrideParseException:
-            return o
-    return "overrides"
+            raise ConfigError(o[:200], f"cannot parse this override ({hint})") from None
+        except ValueError as e:  # int("1" * 5000): Python's limit on the digits of a number
+            raise ConfigError(o.partition("=")[0].lstrip("+~")[:200],
+                              f"a number too long to read ({_first_line(e).split(';')[0]})") from None
+    return out
 
 
 def _first_line(e: Exception) -> str:

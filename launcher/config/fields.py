@@ -210,9 +210,13 @@ def leaf(cls: type, key: str) -> Leaf:
     return next(x for x in leaves(cls) if x.key == key)
 
 
+INT_BOUND = 2**63  # every integer of a config fits 64 bits: the trainer's tensors, Slurm and Ray take no more
+
+
 def errors(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
     """(dotted key, message) for each leaf of the dataclass instance `obj` (nested sections walked)
-    whose checker refuses its value, and each float that is not finite."""
+    whose checker refuses its value, each float that is not finite and each integer that does not
+    fit 64 bits."""
     out = []
     for f in dataclasses.fields(obj):
         key, value = f"{prefix}{f.name}", getattr(obj, f.name)
@@ -221,6 +225,9 @@ def errors(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
             continue
         if isinstance(value, float) and not math.isfinite(value):
             out.append((key, f"must be a finite number, got {value}"))
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and not -INT_BOUND <= value < INT_BOUND:
+            out.append((key, f"must fit 64 bits (below 2**63), got a number of {len(str(abs(value)))} digits"))
             continue
         check, when = f.metadata.get("check"), f.metadata.get("when")
         if check is None or (when is not None and not getattr(obj, when)):
