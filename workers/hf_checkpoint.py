@@ -32,7 +32,7 @@ def read_tensors(model_dir: str | Path, names: list[str]) -> dict:
     root = Path(model_dir)
     index = root / INDEX
     if index.exists():
-        file_of = bounded.json_file(index, bounded.LIMITS["index"], "index", obj=True).get("weight_map")
+        file_of = bounded.model_json(index, "index", obj=True).get("weight_map")
         if not isinstance(file_of, dict) or not all(isinstance(v, str) for v in file_of.values()):
             raise bounded.FileError(index, "weight_map", "must map each tensor name to its shard file")
     else:

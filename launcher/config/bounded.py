@@ -10,6 +10,9 @@ here, and only here:
 
   read_bytes / read_text   at most `limit` bytes (a bigger file is refused before it is read)
   parse_json / json_file   JSON without NaN/Infinity, at most `depth` levels of nesting, every number a float's
+  model_json               a model folder's JSON read as transformers reads it: NaN/Infinity as Python's json
+                           writes them and transformers 5's {"__float__": "Infinity"} both parse (whether
+                           a non-finite value is allowed where it stands: launcher.config.model_facts)
   jsonl_objects            the whole JSON objects of a JSONL file being appended to (others skipped)
   parse_yaml / yaml_file   YAML with the safe loader, without aliases (`*a`, `<<: *a`: this
                            launcher writes none), at most `nodes` nodes and `depth` levels
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -120,11 +124,31 @@ def _shape_error(obj: Any, limit: int) -> str | None:
     return None
 
 
-def parse_json(data: str | bytes, where: Path | str, depth: int = JSON_DEPTH) -> Any:
+# the floats JSON cannot hold, as Python's json writes them (literals) and as transformers 5 does
+# (PreTrainedConfig._encode_special_floats: {"__float__": "Infinity"}); transformers reads both
+SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+FLOAT_TAG = "__float__"
+
+
+def special_floats(obj: Any) -> Any:
+    """A copy of `obj` with every {"__float__": "Infinity" | "-Infinity" | "NaN"} replaced by its float,
+    as transformers' PreTrainedConfig._decode_special_floats does (other objects kept). Called on
+    values parse_json has bounded in depth."""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and isinstance(obj.get(FLOAT_TAG), str) and obj[FLOAT_TAG] in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[obj[FLOAT_TAG]]
+        return {k: special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [special_floats(v) for v in obj]
+    return obj
+
+
+def parse_json(data: str | bytes, where: Path | str, depth: int = JSON_DEPTH, special: bool = False) -> Any:
     """JSON text -> its value; FileError naming `where` when it is not JSON (NaN and Infinity are
-    not), nests deeper than `depth` or holds a number too large for a float."""
+    not, unless `special`: then both spellings of SPECIAL_FLOATS read as floats), nests deeper than
+    `depth` or holds a number too large for a float."""
     try:
-        obj = json.loads(data, parse_constant=_no_constant)
+        obj = json.loads(data, parse_constant=SPECIAL_FLOATS.__getitem__ if special else _no_constant)
     except RecursionError:
         raise FileError(where, "", f"nested more than {depth} levels deep") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -132,16 +156,22 @@ def parse_json(data: str | bytes, where: Path | str, depth: int = JSON_DEPTH) ->
     wrong = _shape_error(obj, depth)
     if wrong:
         raise FileError(where, "", wrong)
-    return obj
+    return special_floats(obj) if special else obj
 
 
 def json_file(path: Path | str, limit: int = LIMITS["record"], kind: str = "record", depth: int = JSON_DEPTH,
-              obj: bool = False) -> Any:
-    """A whole JSON file, bounded; `obj`: it must hold an object."""
-    value = parse_json(read_bytes(path, limit, kind), path, depth)
+              obj: bool = False, special: bool = False) -> Any:
+    """A whole JSON file, bounded; `obj`: it must hold an object; `special`: as parse_json."""
+    value = parse_json(read_bytes(path, limit, kind), path, depth, special)
     if obj and not isinstance(value, dict):
         raise FileError(path, "", f"must hold a JSON object, got {type(value).__name__}")
     return value
+
+
+def model_json(path: Path | str, kind: str = "model file", obj: bool = False) -> Any:
+    """A JSON file of a model folder (config.json, the index, the tokenizer's files), bounded by
+    LIMITS[kind] and read as transformers reads it: the non-finite floats in both spellings."""
+    return json_file(path, LIMITS.get(kind, LIMITS["tokenizer"]), kind, obj=obj, special=True)
 
 
 def jsonl_objects(path: Path | str, limit: int = LIMITS["log"], kind: str = "log", depth: int = 8) -> list[dict]:

@@ -166,15 +166,9 @@ def _literal(node: ast.expr) -> Any:
     return ast.literal_eval(node)
 
 
-# how transformers writes a float JSON cannot hold (PreTrainedConfig._encode_special_floats)
-_FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
-
-
 def same(value: Any, default: Any) -> bool:
-    """A config.json value equals a class default (JSON lists for tuples, 1 == 1.0, infinities as Python's
-    json or transformers' `{"__float__": "Infinity"}` write them)."""
-    if isinstance(value, dict) and set(value) == {"__float__"} and value["__float__"] in _FLOAT_TAGS:
-        value = _FLOAT_TAGS[value["__float__"]]
+    """A config.json value equals a class default (JSON lists for tuples, 1 == 1.0; infinities are floats
+    by then: launcher.config.bounded.special_floats)."""
     if isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
         return len(value) == len(default) and all(same(v, d) for v, d in zip(value, default))
     if isinstance(default, bool) or isinstance(value, bool):

@@ -65,7 +65,7 @@ def has_chat_template(model_dir: Path) -> bool | None:
     config = model_dir / "tokenizer_config.json"
     if not config.is_file():
         return False
-    return bool(bounded.json_file(config, bounded.LIMITS["tokenizer"], "tokenizer", obj=True).get("chat_template"))
+    return bool(bounded.model_json(config, "tokenizer", obj=True).get("chat_template"))
 
 
 def chat_template(cfg: Config) -> list[ConfigError]:
@@ -96,7 +96,7 @@ def model_positions(cfg: Config) -> tuple[float, str] | None:
 
     config_json = Path(cfg.model.path) / "config.json" if cfg.model.path else None
     if config_json is not None and config_json.is_file():
-        hf = bounded.json_file(config_json, bounded.LIMITS["model config"], "model config", obj=True)
+        hf = bounded.model_json(config_json, "model config", obj=True)
         where = str(config_json)
     elif cfg.model.max_position_embeddings:
         hf, where = {"max_position_embeddings": cfg.model.max_position_embeddings}, f"model {cfg.model.name}"

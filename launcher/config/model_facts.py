@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
@@ -232,13 +233,16 @@ def _nemotron_h_facts(r: "_Reader") -> dict:
 
 def _nemotron_h(r: "_Reader", common: dict) -> dict:
     """Nemotron-H's config.json carries MoE numbers (transformers' defaults) whether or not a block is
-    MoE: only a pattern with MoE blocks (E) has experts, and then they route to 1..n_routed_experts."""
-    pattern = _hybrid_pattern(r)
+    MoE: only a pattern with MoE blocks (E) has experts, and then they route to 1..n_routed_experts -
+    the MTP layers' E blocks too (vLLM builds them from the same numbers), though the trained network,
+    whose numbers these facts are, has experts only where the main pattern has E."""
+    pattern, (_, mtp_pattern) = _hybrid_pattern(r), _mtp(r)
+    where = " and ".join(f"{p!r}" for p in (pattern, mtp_pattern) if "E" in p)
+    if where and not 1 <= common["moe_router_topk"] <= common["num_experts"]:
+        raise r.error("num_experts_per_tok", f"must be in [1, n_routed_experts = {common['num_experts']}] for the "
+                                             f"E layers of {where}, got {common['moe_router_topk']}")
     if "E" not in pattern:
         common.update(num_experts=0, moe_router_topk=0, moe_ffn_hidden_size=0)
-    elif not 1 <= common["moe_router_topk"] <= common["num_experts"]:
-        raise r.error("num_experts_per_tok", f"must be in [1, n_routed_experts = {common['num_experts']}] for the "
-                                             f"E layers of {pattern!r}, got {common['moe_router_topk']}")
     return common
 
 
@@ -271,8 +275,8 @@ def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
     from launcher.config import bounded
 
     cfg_file = Path(path) / "config.json"
-    try:  # the one bounded reader: a size and depth limit, no NaN
-        hf = bounded.json_file(cfg_file, bounded.LIMITS["model config"], "model config")
+    try:  # the one bounded reader: a size and depth limit, infinities as transformers reads them
+        hf = bounded.model_json(cfg_file, "model config")
     except bounded.FileError as e:
         raise ConfigError("model.path", str(e)) from None
     if not isinstance(hf, dict):
@@ -281,9 +285,17 @@ def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
 
 
 def read_hf(hf: Mapping[str, Any], where: str) -> tuple[ModelFacts, list[str]]:
-    """(facts, architectures) of a config.json's content; `where` names it in errors."""
+    """(facts, architectures) of a config.json's content; `where` names it in errors. Infinities and
+    NaN read as transformers reads them (both spellings) and allowed only where the family's class
+    has the same value by default (`non_finite`)."""
+    from launcher.config import bounded
+
+    hf = bounded.special_floats(dict(hf))
     reader = _Reader(hf, where)
     family = reader.string("model_type")
+    wrong = non_finite(hf, family)
+    if wrong:
+        raise ConfigError("model.path", f"{where}: {wrong[0]}")
     architectures = hf.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise ConfigError("model.path", f"{where}: architectures must be a list of strings, got "
@@ -367,6 +379,35 @@ def unread_differences(hf: Mapping[str, Any], family: str) -> list[str]:
             continue
         spelled = "" if name == key else f", another name of {name}"
         out.append(f"{key} {json.dumps(values[key])} ({cls.name}'s default {json.dumps(default)}{spelled})")
+    return out
+
+
+def non_finite(hf: Mapping[str, Any], family: str) -> list[str]:
+    """'key value: ...' for each number of `hf` that is not finite (an infinite epsilon, a NaN rope factor)
+    where the family's transformers class does not have that same value by default (Nemotron-H's
+    time_step_limit [0.0, Infinity] is the one published case); without the class, every one."""
+    from launcher.config import hf_classes
+
+    cls = hf_classes.hf_class(family)
+    out = []
+    for key in hf:
+        name = cls.field_of(key) if cls is not None else None
+        default = cls.defaults[name] if name is not None else hf_classes.COMPUTED
+        todo = [(str(key), hf[key], default)]
+        while todo:
+            at, value, there = todo.pop()
+            if isinstance(value, dict):
+                todo.extend((f"{at}.{k}", v, hf_classes.COMPUTED) for k, v in value.items())
+            elif isinstance(value, list):
+                theirs = list(there) if isinstance(there, (list, tuple)) and len(there) == len(value) else None
+                todo.extend((f"{at}[{i}]", v, theirs[i] if theirs else hf_classes.COMPUTED)
+                            for i, v in enumerate(value))
+            elif isinstance(value, float) and not math.isfinite(value):
+                if isinstance(there, float) and (there == value or math.isnan(there) and math.isnan(value)):
+                    continue
+                whose = (f"{cls.name}'s default {json.dumps(there)}" if there is not hf_classes.COMPUTED
+                         else "allowed only where transformers' class of the family has it by default")
+                out.append(f"{at} {json.dumps(value)} must be a finite number ({whose})")
     return out
 
 

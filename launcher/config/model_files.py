@@ -53,7 +53,7 @@ def _weights(path: Path) -> str | None:
     index = path / INDEX
     if index.is_file():
         try:
-            weight_map = bounded.json_file(index, bounded.LIMITS["index"], "index", obj=True).get("weight_map")
+            weight_map = bounded.model_json(index, "index", obj=True).get("weight_map")
         except bounded.FileError as e:
             return f"{index}: not a safetensors index ({e.message})"
         if not isinstance(weight_map, dict) or not weight_map:
@@ -108,9 +108,9 @@ def _tokenizer_file(f: Path) -> str | None:
         if f.name == INDEX:
             return None  # _weights read it
         if f.name in TOKENIZER_JSON or f.name in OBJECT_JSON:
-            bounded.json_file(f, limit, "tokenizer", obj=True)
+            bounded.model_json(f, "tokenizer", obj=True)
         elif f.suffix == ".json":
-            bounded.json_file(f, limit, "model file")
+            bounded.model_json(f, "model file")
         elif f.name in TOKENIZER_TEXT or f.suffix in (".tiktoken", ".jinja"):
             bounded.read_text(f, limit, "tokenizer")
         elif f.name == "tokenizer.model":

@@ -35,6 +35,34 @@ def test_json_limits(tmp_path, text, message):
     assert str(e.value) == f"{f}: {message}"
 
 
+def test_a_model_folders_json_reads_infinity_as_transformers_does_and_records_do_not(tmp_path):
+    """Python's json (transformers 4, every published Nemotron-H) writes the literal; transformers 5
+    writes {"__float__": ...}: both read as the float. The project's own records stay strict."""
+    import math
+
+    import transformers
+
+    literal, tagged = tmp_path / "literal.json", tmp_path / "tagged.json"
+    literal.write_text(json.dumps({"time_step_limit": [0.0, math.inf], "x": -math.inf, "n": math.nan}))
+    tagged.write_text(json.dumps(transformers.PreTrainedConfig._encode_special_floats(
+        {"time_step_limit": [0.0, math.inf], "x": -math.inf, "n": math.nan, "kept": {"__float__": "1.5"}})))
+    assert "Infinity]" in literal.read_text() and '"__float__": "Infinity"' in tagged.read_text()
+    for f in (literal, tagged):
+        got = bounded.model_json(f, "model config", obj=True)
+        assert got["time_step_limit"] == [0.0, math.inf] and got["x"] == -math.inf and math.isnan(got["n"])
+        with pytest.raises(bounded.FileError, match="is not JSON") if f is literal else _no_error():
+            bounded.json_file(f)  # a record: the literal is refused (the tag is an ordinary object there)
+    assert bounded.model_json(tagged)["kept"] == {"__float__": "1.5"}  # not one of the three: kept, as transformers
+    with pytest.raises(bounded.FileError, match="nested more than 64 levels deep"):
+        bounded.parse_json("[" * 70 + "Infinity" + "]" * 70, "x", special=True)
+
+
+def _no_error():
+    from contextlib import nullcontext
+
+    return nullcontext()
+
+
 def test_yaml_without_aliases_and_within_its_budget(tmp_path):
     from launcher.config.compose import compose, to_yaml
 

@@ -406,8 +406,18 @@ CASES = [
            "its shape [255, 129] of F32 needs 131580"),
           ("index-deep", lambda n: _model(n, extra={"model.safetensors.index.json": "[" * 5000 + "]" * 5000}),
            "/model.safetensors.index.json: not a safetensors index (nested more than 64 levels deep)"),
+          # read as transformers reads it (NaN parses), refused where the class's default is not the same
           ("config-nan", lambda n: _model(n, extra={"config.json": json.dumps(TINY_LLAMA)[:-1] + ', "x": NaN}'}),
-           "/config.json: not valid JSON (NaN is not JSON)"),
+           "/config.json: x NaN must be a finite number (allowed only where transformers' class of the family "
+           "has it by default)"),
+          ("config-infinite-epsilon", lambda n: _model(n, extra={"config.json": json.dumps(
+              {**TINY_LLAMA, "rms_norm_eps": 1e999})}),
+           "/config.json: rms_norm_eps Infinity must be a finite number (LlamaConfig's default 1e-06)"),
+          ("config-nan-rope-factor", lambda n: _model(n, extra={"config.json": json.dumps(
+              {**TINY_LLAMA, "rope_scaling": {"rope_type": "linear", "factor": float("nan")}})}),
+           "/config.json: rope_scaling.factor NaN must be a finite number"),
+          ("tokenizer-config-cut-at-infinity", lambda n: _model(n, extra={"tokenizer_config.json": '{"x": Infinity'}),
+           "/tokenizer_config.json: not valid JSON"),
           ("tokenizer-json-cut", lambda n: _forged_model(n, lambda d: (d / "tokenizer.json").write_text(
               json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}}})[:30])),
            "/tokenizer.json: not valid JSON"),

@@ -264,3 +264,42 @@ def test_the_refusal_is_peft_s_own():
     with pytest.raises(ValueError, match="out_proj"):
         peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["out_proj"]))
     peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["in_proj"]))  # in_proj is fine
+
+
+@pytest.mark.parametrize("spelling", ["literal", "transformers 5"])
+def test_time_step_limit_infinity_as_published_is_read(tmp_path, spelling):
+    """Every Nemotron-H config.json saved by Python's json (the published ones) holds
+    `"time_step_limit": [0.0, Infinity]`; transformers 5 writes `{"__float__": "Infinity"}`."""
+    import math
+
+    limit = [0.0, math.inf] if spelling == "literal" else [0.0, {"__float__": "Infinity"}]
+    d = checkpoint(tmp_path, {**SUPER_120B, "time_step_limit": limit})
+    assert ("Infinity]" in (d / "config.json").read_text()) == (spelling == "literal")
+    assert model_facts.read(d)[0] == model_facts.read_hf(SUPER_120B, "x")[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_norm_epsilon": float("inf")}, "layer_norm_epsilon Infinity must be a finite number (NemotronHConfig's "
+                                           "default 1e-05)"),
+    ({"layer_norm_epsilon": {"__float__": "NaN"}}, "layer_norm_epsilon NaN must be a finite number"),
+    ({"time_step_limit": [float("-inf"), float("inf")]}, "time_step_limit[0] -Infinity must be a finite number "
+                                                         "(NemotronHConfig's default 0.0)"),
+    ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor NaN must be a finite number"),
+])
+def test_a_non_finite_value_elsewhere_is_refused_naming_its_key(tmp_path, change, message):
+    with pytest.raises(ConfigError) as e:
+        model_facts.read(checkpoint(tmp_path, {**SUPER_120B, **change}))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_moe_numbers_of_mtp_layers_are_read_and_checked_where_the_main_pattern_has_no_moe():
+    """Main pattern without E, MTP step `*E`: vLLM builds the MTP's MoE layer from n_routed_experts and
+    num_experts_per_tok, so they are checked; the trained network itself has no experts."""
+    mtp_only = {**SUPER_120B, "hybrid_override_pattern": "M*-M*-", "mtp_hybrid_override_pattern": "*E"}
+    facts = model_facts.read_hf(mtp_only, "x")[0]
+    assert (facts.num_experts, facts.family_facts["moe_latent_size"], facts.family_facts["n_shared_experts"]) == (
+        0, 1024, 1)
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok must be in \[1, n_routed_experts = 512\] for the E "
+                                          r"layers of '\*E', got 600"):
+        model_facts.read_hf({**mtp_only, "num_experts_per_tok": 600}, "x")
+    model_facts.read_hf({**mtp_only, "num_experts_per_tok": 600, "mtp_hybrid_override_pattern": "*-"}, "x")
