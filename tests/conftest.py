@@ -104,14 +104,6 @@ def tiny_model(model_cache):
 
 
 @pytest.fixture(scope="session")
-def nemotron_h_nano(model_cache) -> Path:
-    """A Nemotron-H unlike our recipe: Nemotron-3-Nano-30B-A3B's config.json scaled down (tests/helpers/nemotron_h.py)."""
-    from tests.helpers.nemotron_h import build_nano_scaled
-
-    return build_nano_scaled(model_cache / "nemotron-3-nano-scaled")
-
-
-@pytest.fixture(scope="session")
 def local_ray():
     """One local Ray instance for the integration tests of a session, with both role resources.
     Its temp dir (Ray's session, and the TMPDIR of its workers: vLLM's rendezvous files) is a

@@ -142,7 +142,8 @@ def _write(out: Path, stamp: dict, hf_config, tokenizer, seed: int, init_std: fl
     model.eval().save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if config_json is not None:  # the file as the publisher wrote it, not as this transformers re-serialises it
-        (tmp / "config.json").write_text(json.dumps({**config_json, "torch_dtype": "float32"}, indent=2))
+        dtype = {k: "float32" for k in ("torch_dtype", "dtype") if k in config_json} or {"torch_dtype": "float32"}
+        (tmp / "config.json").write_text(json.dumps({**config_json, **dtype}, indent=2))
     if getattr(cfg, "model_type", None) == "nemotron_h" and getattr(cfg, "num_nextn_predict_layers", 0):
         _add_mtp_layers(tmp, cfg, init_std)
     (tmp / "tiny_model.json").write_text(json.dumps(stamp, indent=1))

@@ -304,10 +304,13 @@ def read_hf(hf: Mapping[str, Any], where: str) -> tuple[ModelFacts, list[str]]:
     heads = reader.positive("num_attention_heads")
     hidden = reader.positive("hidden_size")
     groups = reader.positive("num_key_value_heads", default=heads)
-    if hf.get("head_dim") is None and hidden % heads:
+    # no head_dim: the class's literal default (Qwen3's and Nemotron-H's 128, whatever the widths), else
+    # hidden / heads (Llama's and Qwen3-MoE's computed one)
+    head_default = _class_default(family, "head_dim")
+    if hf.get("head_dim") is None and not isinstance(head_default, int) and hidden % heads:
         raise ConfigError("model.path", f"{where}: has no head_dim and hidden_size {hidden} is not a "
                                         f"multiple of num_attention_heads {heads}")
-    head_dim = reader.positive("head_dim", default=hidden // heads)
+    head_dim = reader.positive("head_dim", default=head_default if isinstance(head_default, int) else hidden // heads)
     if heads % groups:
         raise ConfigError("model.path", f"{where}: num_key_value_heads {groups} must divide "
                                         f"num_attention_heads {heads}")
@@ -380,6 +383,16 @@ def unread_differences(hf: Mapping[str, Any], family: str) -> list[str]:
         spelled = "" if name == key else f", another name of {name}"
         out.append(f"{key} {json.dumps(values[key])} ({cls.name}'s default {json.dumps(default)}{spelled})")
     return out
+
+
+def _class_default(family: str, key: str) -> Any:
+    """The default of `key` in the family's transformers class (hf_classes.COMPUTED where it has none
+    that is a literal, or there is no class)."""
+    from launcher.config import hf_classes
+
+    cls = hf_classes.hf_class(family)
+    name = cls.field_of(key) if cls is not None else None
+    return cls.defaults[name] if name is not None else hf_classes.COMPUTED
 
 
 def non_finite(hf: Mapping[str, Any], family: str) -> list[str]:

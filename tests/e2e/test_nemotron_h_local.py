@@ -2,11 +2,11 @@
 
 `python -m launcher model=tiny_nemotron3` (Nemotron 3 as released: Mamba-2 + attention + LatentMoE
 with a shared expert, MTP layers in the checkpoint; the local topology trains it at TP2 with sequence
-parallelism, merged refit into vLLM CPU every step) learns in the default run length. And a Nemotron-H
-given by `model.path` alone, whose layer pattern, heads, Mamba sizes, experts, latent width and MTP
-layers differ from the recipe's (Nemotron-3-Nano-30B-A3B's config.json scaled down, with a latent width
-and two one-layer MTP steps: tests/helpers/nemotron_h.py), trains at TP2 x EP2 with exact refits: its
-numbers come from its config.json.
+parallelism, merged refit into vLLM CPU every step) learns in the default run length. And Nemotron 3
+Super given by `model.path` alone, its published config.json scaled down in depth and width
+(tests/helpers/published_models.py: LatentMoE, one MTP step "*E", every other key as published), whose
+layer pattern, heads, Mamba sizes, experts and latent width differ from the recipe's, trains at TP2 x EP2
+with exact refits: its numbers come from its config.json.
 """
 
 from __future__ import annotations
@@ -40,23 +40,24 @@ def test_tiny_nemotron3_learns_in_the_default_run(tmp_path):
     assert (facts["moe_latent_size"], facts["num_nextn_predict_layers"]) == (32, 1)
 
 
-def test_a_published_nemotron_h_shape_with_latent_moe_and_mtp_by_model_path_alone(model_cache, tmp_path):
-    from tests.helpers.nemotron_h import build_nano_latent_mtp
+def test_nemotron_3_super_as_published_by_model_path_alone(model_cache, tmp_path):
+    from tests.helpers import published_models
 
-    model = build_nano_latent_mtp(model_cache / "nemotron-3-nano-scaled-latent-mtp")
+    name = "NVIDIA-Nemotron-3-Super-120B-A12B-BF16"
+    model = published_models.build(name, model_cache / "published")
     p = subprocess.run([PY, "-m", "launcher", f"model.path={model}", "topology.train.expert_parallel=2",
-                        "grpo.max_num_steps=2", f"run.root={tmp_path}", "run.name=nano", "logging.tensorboard=false"],
+                        "grpo.max_num_steps=2", f"run.root={tmp_path}", "run.name=super", "logging.tensorboard=false"],
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    run = tmp_path / "nano"
+    run = tmp_path / "super"
     # the model section came from its config.json (the default model group is tiny_llama), once
     saved = yaml.safe_load((run / "config.yaml").read_text())["model"]
     assert (saved["family"], saved["num_layers"], saved["num_experts"], saved["moe_router_topk"]) == (
-        "nemotron_h", 7, 8, 3)
+        "nemotron_h", 9, 8, 3)
     facts = saved["family_facts"]
     assert (facts["hybrid_override_pattern"], facts["moe_latent_size"], facts["num_nextn_predict_layers"],
-            facts["mtp_hybrid_override_pattern"]) == ("MEMEM*E", 16, 2, "E") and saved["builtin"] is None
-    assert saved["facts_from"] == f"{model}/config.json" and saved["name"] == "nemotron-3-nano-scaled-latent-mtp"
+            facts["mtp_hybrid_override_pattern"]) == ("MEMEMEM*E", 16, 1, "*E") and saved["builtin"] is None
+    assert saved["facts_from"] == f"{model}/config.json" and saved["name"] == name
     r = rows(run)
     assert [x["step"] for x in r] == [1, 2]
     assert all(x["train/gen_kl_error"] < 1e-5 and x["refit/bytes"] > 0 for x in r), r

@@ -1,7 +1,9 @@
-"""Checkpoints shaped like published ones (tests/helpers/published_models.py: Llama-3.2-1B with its
-llama3 rope scaling, Qwen2.5-0.5B-Instruct, Qwen3-0.6B and Qwen3-30B-A3B with the YaRN their
-cards advise), each through the whole pipeline with `model.path` alone: the default `model` group
-(tiny_llama) and the default topology (trainer TP2, one vLLM engine), two GRPO steps, a checkpoint.
+"""Published checkpoints scaled down (tests/helpers/published_models.py: their config.json files as
+published, only depth and width edited; RUN_THROUGH: Llama-3.2-1B with its llama3 rope scaling,
+Qwen2.5-0.5B-Instruct and Qwen3-30B-A3B with the YaRN their cards advise, Nemotron-H-56B-Base-8K as
+transformers 4 saved it, `"time_step_limit": [0.0, Infinity]` and all), each through the whole pipeline
+with `model.path` alone: the default `model` group (tiny_llama) and the default topology (trainer TP2,
+one vLLM engine), two GRPO steps, a checkpoint.
 
 Per family, one run and what it left:
 - the run is named after the checkpoint directory and its config.yaml holds the checkpoint's facts
@@ -59,7 +61,7 @@ def without_rope_scaling(model: Path):
     return AutoModelForCausalLM.from_pretrained(str(model), config=config, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("name", list(published_models.PUBLISHED))
+@pytest.mark.parametrize("name", published_models.RUN_THROUGH)
 def test_published_shape_through_the_pipeline_refit_and_export(name, model_cache, local_ray, tmp_path):
     from omegaconf import OmegaConf
     from peft import PeftModel

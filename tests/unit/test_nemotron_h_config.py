@@ -1,9 +1,9 @@
 """Nemotron-H (hybrid Mamba-2 + attention + MLP/MoE) facts and rules, before anything runs.
 
-The published config.json below is nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's (the keys that
-decide the layout, as published): its layer pattern `hybrid_override_pattern`, Mamba heads / head
-dim / groups / state, attention heads, 128 routed experts top-6 and one shared expert. transformers
-5 saves the same model with `layers_block_type` instead of the pattern (and no num_hidden_layers).
+NANO_30B is nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json as published (tests/fixtures/
+published): its layer pattern `hybrid_override_pattern`, Mamba heads / head dim / groups / state,
+attention heads, 128 routed experts top-6, one shared expert, routing scale 2.5. transformers 5 saves
+the same model with `layers_block_type` instead of the pattern (and no num_hidden_layers).
 """
 
 from __future__ import annotations
@@ -15,29 +15,15 @@ import pytest
 
 from launcher.config import model_facts
 from launcher.config.schema import ConfigError
+from tests.helpers import published_models
 
-NANO_30B = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 2688,
-            "num_hidden_layers": 52, "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
-            "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 64,
-            "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "chunk_size": 128, "n_routed_experts": 128,
-            "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 1856,
-            "moe_shared_expert_intermediate_size": 3712, "vocab_size": 131072}
+NANO_30B = published_models.published("nvidia__NVIDIA-Nemotron-3-Nano-30B-A3B-BF16")
 BLOCKS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
-# nvidia/NVIDIA-Nemotron-3-Super-120B-A12B's config.json, the keys the released architecture adds to
-# Nano's (as published): LatentMoE (moe_latent_size 1024 of hidden 4096, 512 routed experts top-22 of
-# width 2688, a shared expert of 5376, routing scale 5.0) and one MTP step of an attention and an MoE
-# layer (num_nextn_predict_layers 1, mtp_hybrid_override_pattern "*E"); the layer pattern is Super's
-# first layers (Mamba and MoE alternating, then attention).
-SUPER_120B = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4096,
-              "hybrid_override_pattern": "MEMEMEM*E", "num_attention_heads": 32, "num_key_value_heads": 2,
-              "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
-              "conv_kernel": 4, "chunk_size": 128, "n_routed_experts": 512, "num_experts_per_tok": 22,
-              "moe_intermediate_size": 2688, "moe_latent_size": 1024, "moe_shared_expert_intermediate_size": 5376,
-              "n_shared_experts": 1, "routed_scaling_factor": 5.0, "n_group": 1, "topk_group": 1,
-              "norm_topk_prob": True,
-              "mlp_hidden_act": "relu2", "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E",
-              "layer_norm_epsilon": 1e-5, "time_step_min": 0.001, "partial_rotary_factor": 1.0, "rope_theta": 10000,
-              "vocab_size": 131072, "max_position_embeddings": 262144}
+# nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16's config.json as published, its first 9 layers
+# ("MEMEMEM*E": Mamba and MoE alternating, then attention): LatentMoE (moe_latent_size 1024 of hidden
+# 4096, 512 routed experts top-22 of width 2688, a shared expert of 5376, routing scale 5.0) and one MTP
+# step of an attention and an MoE layer (num_nextn_predict_layers 1, mtp_hybrid_override_pattern "*E")
+SUPER_120B = published_models.scaled("nvidia__NVIDIA-Nemotron-3-Super-120B-A12B-BF16", 9)
 
 
 def checkpoint(tmp_path: Path, config: dict, name: str = "ckpt") -> Path:
@@ -54,7 +40,7 @@ def test_published_nemotron_h_facts(tmp_path):
     assert facts.family_facts == {"hybrid_override_pattern": NANO_30B["hybrid_override_pattern"],
                                   "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
                                   "n_shared_experts": 1, "moe_shared_expert_intermediate_size": 3712,
-                                  "moe_latent_size": 0, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
+                                  "moe_latent_size": 0, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0,
                                   "mtp_hybrid_override_pattern": "", "layer_norm_epsilon": 1e-5}
     pattern = facts.family_facts["hybrid_override_pattern"]
     assert (pattern.count("M"), pattern.count("E"), pattern.count("*")) == (23, 23, 6)

@@ -61,14 +61,14 @@ print(json.dumps(out))
 """
 
 
-NEMOTRON_H = ("nemotron-3-nano-scaled", "tiny_nemotron_h-s0", "tiny_nemotron_h_dense-s0", "tiny_nemotron3-s0")
+RECIPES_H = ("tiny_nemotron_h-s0", "tiny_nemotron_h_dense-s0", "tiny_nemotron3-s0")
+NEMOTRON_H = (*(n for n, f in published_models.FAMILY.items() if f == "nemotron_h"), *RECIPES_H)
 
 
 @pytest.fixture(scope="module")
-def probed(model_cache, nemotron_h_nano, tiny_model):
+def probed(model_cache, tiny_model):
     dirs = [str(published_models.build(n, model_cache / "published")) for n in published_models.PUBLISHED]
-    dirs += [str(nemotron_h_nano), str(tiny_model("tiny_nemotron_h")), str(tiny_model("tiny_nemotron_h_dense")),
-             str(tiny_model("tiny_nemotron3"))]
+    dirs += [str(tiny_model(recipe.removesuffix("-s0"))) for recipe in RECIPES_H]
     p = subprocess.run([sys.executable, "-c", PROBE, str(REPO), *dirs], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -83,14 +83,14 @@ def test_the_bridge_alone_leaves_yarn_half_set(probed):
     """Megatron-Bridge copies only the rope_scaling keys config.json states: None beta_fast made megatron-core
     fail at start-up (`None * int`), None truncation would round differently from HF."""
     assert probed["Llama-3.2-1B"]["bridge_alone"] == []  # llama3 scaling: factor only, the rest fixed
-    assert probed["Qwen3-0.6B"]["bridge_alone"] == YARN_LEFT_UNSET
+    assert probed["Qwen3-0.6B"]["bridge_alone"] == []   # rope_scaling null, as published
     assert probed["Qwen3-30B-A3B"]["bridge_alone"] == YARN_LEFT_UNSET
     # no head_dim in Qwen2.5's file: kv_channels is derived at finalize()
     assert probed["Qwen2.5-0.5B-Instruct"]["bridge_alone"] == [
         "head_dim: the run's 32, Megatron's kv_channels None", *YARN_LEFT_UNSET]
 
 
-@pytest.mark.parametrize("name", [*published_models.PUBLISHED, *NEMOTRON_H])
+@pytest.mark.parametrize("name", list(dict.fromkeys([*published_models.PUBLISHED, *NEMOTRON_H])))
 def test_applied_facts_are_what_megatron_builds(probed, name):
     assert probed[name]["applied"] == []
 
@@ -99,10 +99,12 @@ def test_applied_facts_are_what_megatron_builds(probed, name):
 def test_nemotron_h_is_checked_on_its_pattern_and_mamba_sizes_too(probed, name):
     """Nemotron-H (no rotary embedding: nothing to complete): the Bridge maps every fact, and the
     provider is checked on the layer pattern and Mamba groups as on the attention numbers."""
-    pattern = {"nemotron-3-nano-scaled": "MEMEM*E", "tiny_nemotron_h-s0": "M*EM*-",
+    pattern = {"Nemotron-H-56B-Base-8K": "M-M-M-M*-", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "MEMEM*E",
+               "NVIDIA-Nemotron-3-Super-120B-A12B-BF16": "MEMEMEM*E", "tiny_nemotron_h-s0": "M*EM*-",
                "tiny_nemotron_h_dense-s0": "M*-M*-", "tiny_nemotron3-s0": "MEM*E"}[name]
-    latent = (["family_facts.moe_latent_size: the run's 64, Megatron's moe_latent_size 32"]
-              if name == "tiny_nemotron3-s0" else [])
+    latent = {"tiny_nemotron3-s0": ["family_facts.moe_latent_size: the run's 64, Megatron's moe_latent_size 32"],
+              "NVIDIA-Nemotron-3-Super-120B-A12B-BF16": [
+                  "family_facts.moe_latent_size: the run's 32, Megatron's moe_latent_size 16"]}.get(name, [])
     assert probed[name]["bridge_alone"] == []
     assert probed[name]["other"] == [
         "num_query_groups: the run's 1, Megatron's num_query_groups 2",
