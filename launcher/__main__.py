@@ -351,7 +351,7 @@ def _print_dry_run(r: Resolved) -> None:
         print("\n== executor local: runs in this process on this machine (no sbatch script)")
     else:
         print(f"\n== sbatch script submitit would submit (folder {submitit_folder(run_dir)})")
-        print(sbatch.submitit_script(spec, submitit_folder(run_dir)))
+        print(sbatch.submitit_script(spec, run_dir))
         print(f"== also written on submission: {run_dir}/ray_job.sbatch (the same job for plain `sbatch`)")
 
 

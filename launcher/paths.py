@@ -33,6 +33,7 @@ RESUME_WORDS = re.compile(r"^(latest|step_\d+)$")
 CONFIG = "config.yaml"              # the resolved config (also in every checkpoint)
 PLAN = "plan.txt"
 SBATCH_SCRIPT = "ray_job.sbatch"    # the same job for plain `sbatch`
+TASK_EPILOG = "task_epilog.sh"      # srun --task-epilog of the job's step (launcher.cluster.task_epilog)
 LOGS = "logs"
 CHECKPOINTS = "checkpoints"
 REWARD_DIR = "reward"               # a reward file copied at submission

@@ -21,6 +21,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 _LOCAL_RAY: dict = {}  # the last test id that uses local_ray, and how to stop it
+_TEMP: dict = {}       # the temp dir's listing when the whole suite started
 
 
 # ------------------------------------------------------------------------ order and workers
@@ -37,6 +38,33 @@ def pytest_cmdline_main(config):
     n = tiers.workers(config.args, str(config.rootpath))
     if n > 1:
         config.option.numprocesses = n
+
+
+def pytest_sessionstart(session):
+    """The whole suite (`pytest tests`) leaves nothing new in the temp dir (tests/helpers/temp_listing.py):
+    listed here, compared in pytest_sessionfinish (in the controller; xdist's workers are below it)."""
+    from tests.helpers import temp_listing, tiers
+
+    config = session.config
+    if not os.environ.get("PYTEST_XDIST_WORKER") and tiers.whole_suite(config.args, str(config.rootpath)):
+        _TEMP["before"] = temp_listing.listing()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    from tests.helpers import temp_listing
+
+    if "before" not in _TEMP:
+        return
+    left = temp_listing.left_behind(_TEMP.pop("before"))
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the test run left {len(left)} new entries in the temp dir: {', '.join(left[:20])}"
+        if reporter is not None:
+            reporter.write_sep("=", "left in the temp dir", red=True)
+            reporter.write_line(message)
+        if session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_xdist_make_scheduler(config, log):

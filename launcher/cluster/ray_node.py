@@ -106,6 +106,15 @@ def driver_env(ctx: JobContext) -> dict[str, str]:
     return {**auth_env(ctx), "RAY_ENABLE_AUTO_CONNECT": "0"}
 
 
+def health_check_env(cfg: Config) -> dict[str, str]:
+    """The GCS's node health checks (ray_config_def.h's health_check_*, read from RAY_<name> by every
+    Ray daemon when it starts; the head's GCS runs them): the `ray` section's, whose doc says why."""
+    r = cfg.ray
+    return {"RAY_health_check_period_ms": str(round(r.health_check_period_s * 1000)),
+            "RAY_health_check_timeout_ms": str(round(r.health_check_timeout_s * 1000)),
+            "RAY_health_check_failure_threshold": str(r.health_check_failure_threshold)}
+
+
 def worker_tmp_env(ctx: JobContext) -> dict[str, str]:
     """The Ray workers' temp dir is the job's own (ctx.worker_tmp, removed with the node's Ray);
     torch's compile cache, which torch would put in the temp dir, stays where it would have been
@@ -146,7 +155,8 @@ def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: st
     log_file = ctx.log_path("ray")
     _log.debug(f"{ctx.hostname}: $ {shlex.join(cmd)} (log: {log_file})")
     ctx.worker_tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
-    env = {**os.environ, **auth_env(ctx), **worker_tmp_env(ctx), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **auth_env(ctx), **worker_tmp_env(ctx), **health_check_env(cfg),
+           "RAY_USAGE_STATS_ENABLED": "0"}
     reaper = [sys.executable, "-m", "launcher.cluster.reaper", f"--temp-dir={ctx.ray_temp_dir}",
               f"--keep-logs={ctx.ray_logs}", str(os.getpid())]
     with files.open_append(log_file) as out:  # the run directory's mode

@@ -545,6 +545,18 @@ class RayCfg:
     join_retries: int = knob(3, Range(1, 100), "attempts of a worker node's `ray start`")
     join_jitter_s: float = knob(10.0, Range(0, 600), "a worker retries a refused `ray start` after a random delay "
                                                      "below this")
+    # The GCS declares a node dead after health_check_failure_threshold failed checks in a row, one every
+    # health_check_period_s; a check fails when the raylet refuses it (a node that is gone: threshold x period,
+    # 10 x 5 s = 50 s, inside the 60 s the lost-node tests promise; the node's bootstrap reports a lost Ray
+    # within seconds anyway) or does not answer within health_check_timeout_s (a raylet starved of CPU by a
+    # checkpoint save, a merged refit's packing or a data loader: 10 x (30 + 5) s = about 6 minutes unanswered).
+    # Ray's own defaults (ray_config_def.h: 3 s, 10 s, 5) declare a raylet dead after about 65 s without an
+    # answer, and one busy minute on a node ended a whole job. A host that vanishes is also Slurm's to notice.
+    health_check_period_s: float = knob(5.0, Range(0.1, 600), "the Ray head checks each node's raylet this often")
+    health_check_timeout_s: float = knob(30.0, Range(0.1, 3600), "a raylet that answers no check within this "
+                                                                 "counts one failure (starved, not gone)")
+    health_check_failure_threshold: int = knob(10, Range(1, 1000), "failed checks in a row before Ray declares a "
+                                                                   "node dead")
 
 
 @dataclass

@@ -13,6 +13,8 @@ Ctrl-C reaches the foreground process group; a worker must not die mid-call whil
 finishes its step, so it ignores them (blocked from its start: the mask survives fork and exec),
 and it exits when the driver's process is gone (its parent changed) or its pipe closes.
 
+A worker runs at Ray's workers' niceness (NICENESS), below the Ray daemons of its node.
+
 Messages are pickled over the worker's own socketpair: only between the driver and the processes
 it started, never read from a file.
 """
@@ -30,6 +32,9 @@ import time
 from multiprocessing.connection import Connection, wait
 
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+# as Ray runs its workers (ray_config_def.h worker_niceness: 15): the node's Ray daemons, at the niceness
+# the job started with, get the CPU first, so busy reward workers never starve the raylet's health checks
+NICENESS = 15
 
 
 class Worker:
@@ -131,6 +136,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _serve(fd: int) -> None:
+    os.nice(max(0, NICENESS - os.nice(0)))  # never back up: an unprivileged process cannot
     for sig in IGNORED:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED)

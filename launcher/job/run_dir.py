@@ -186,6 +186,7 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     files.write(run_dir / paths.PLAN, plan.describe() + "\n" + memory.plan_memory(cfg, plan).describe() + "\n")
     if spec is not None:
         files.write(run_dir / paths.SBATCH_SCRIPT, sbatch.render(spec, plan, run_dir), executable=True)
+        files.write(run_dir / paths.TASK_EPILOG, sbatch.task_epilog_script(spec, run_dir), executable=True)
 
 
 def written(run_dir: Path, spec: sbatch.JobSpec | None) -> str:

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher import paths
 from launcher import plan as plan_mod
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Config
@@ -121,11 +122,26 @@ def job_spec(cfg: Config, plan: plan_mod.Plan) -> JobSpec:
                    srun_args=srun_args, python=python)
 
 
-def submitit_parameters(spec: JobSpec) -> dict:
-    """Parameters for submitit.SlurmExecutor.update_parameters."""
+def srun_args(spec: JobSpec, run_dir: Path) -> list[str]:
+    """The step's srun words (raw) after --kill-on-bad-exit and --ntasks-per-node, for both paths: first the
+    task epilog, run on every node once its task ended, however it ended (the node's Ray temp dir goes: a
+    cancelled step kills the reaper that would have removed it), then the config's (job_spec)."""
+    return [f"--task-epilog={Path(run_dir) / paths.TASK_EPILOG}", *spec.srun_args]
+
+
+def task_epilog_script(spec: JobSpec, run_dir: Path) -> str:
+    """RUN/task_epilog.sh, srun's --task-epilog (job_spec): Slurm runs it on every node once the job's task
+    there ended, however it ended, with the task's environment (launcher.cluster.task_epilog)."""
+    return ("#!/bin/sh\n# srun --task-epilog: run by Slurm on every node once the job's task there has ended, however "
+            "it ended;\n# it removes the node's Ray temp dir and keeps its logs (launcher.cluster.task_epilog)\n"
+            f"exec {spec.python_q} -m launcher.cluster.task_epilog {shlex.quote(str(run_dir))}\n")
+
+
+def submitit_parameters(spec: JobSpec, run_dir: Path) -> dict:
+    """Parameters for submitit.SlurmExecutor.update_parameters (submitit quotes srun's words itself)."""
     params: dict = dict(job_name=spec.job_name, nodes=spec.nodes, ntasks_per_node=1, time=spec.time_min,
                         signal_delay_s=spec.signal_delay_s, setup=list(spec.setup),
-                        srun_args=["--kill-on-bad-exit=1", *spec.srun_args])
+                        srun_args=["--kill-on-bad-exit=1", *srun_args(spec, run_dir)])
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
     if spec.cpus_per_task:
@@ -145,15 +161,18 @@ def submitit_command(python: str, folder: Path) -> str:
     return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
-def submitit_script(spec: JobSpec, folder: Path) -> str:
+def submitit_script(spec: JobSpec, run_dir: Path) -> str:
     """The exact sbatch text submitit would write for this job (no Slurm contacted).
 
     `_make_sbatch_string` is submitit's private renderer, but it is the very function
     SlurmExecutor.submit uses: the dry run shows what would be submitted, not an imitation."""
     from submitit.slurm.slurm import _make_sbatch_string
 
+    from launcher.job.slurm_job import submitit_folder
+
+    folder = submitit_folder(run_dir)
     return _make_sbatch_string(command=submitit_command(spec.python_q, folder), folder=folder,
-                               **submitit_parameters(spec))
+                               **submitit_parameters(spec, run_dir))
 
 
 def render(spec: JobSpec, plan: plan_mod.Plan, run_dir: Path, header: str = "") -> str:
@@ -170,4 +189,4 @@ def render(spec: JobSpec, plan: plan_mod.Plan, run_dir: Path, header: str = "") 
         gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task, time_min=spec.time_min,
         slurm_flags=flags, signal_delay_s=spec.signal_delay_s,
         log_q=shlex.quote(str(run_dir / "logs" / "sbatch-%j.out")), setup=spec.setup,
-        srun_args=[shlex.quote(a) for a in spec.srun_args], python=spec.python_q)
+        srun_args=[shlex.quote(a) for a in srun_args(spec, run_dir)], python=spec.python_q)

@@ -51,7 +51,7 @@ def submit_slurm(cfg: Config, plan: plan_mod.Plan, run_dir: Path) -> submitit.Jo
     spec = sbatch.job_spec(cfg, plan)
     executor = submitit.SlurmExecutor(folder=submitit_folder(run_dir), max_num_timeout=cfg.slurm.max_num_timeout,
                                       python=spec.python_q)
-    executor.update_parameters(**sbatch.submitit_parameters(spec))
+    executor.update_parameters(**sbatch.submitit_parameters(spec, run_dir))
     job = executor.submit(JobTask(str(run_dir)))
     files.seal(run_dir / "submitit", files.Policy.of(cfg))  # submitit's pickles and script: the run's modes
     return job

@@ -139,4 +139,5 @@ def build(name: str, cache: Path) -> Path:
     from workers import tiny_models
 
     config = PUBLISHED[name]()
-    return tiny_models.build_from_config(Path(cache) / name, config, init_std=0.08 * (128 / config["hidden_size"]) ** 0.5)
+    return tiny_models.build_from_config(Path(cache) / name, config,
+                                         init_std=0.08 * (128 / config["hidden_size"]) ** 0.5)

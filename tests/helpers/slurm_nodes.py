@@ -31,8 +31,9 @@ def slurm_shape(nodes: int) -> list[str]:
             f"topology.train.nodes={half}", f"topology.generation.nodes={half}", f"topology.generation.engines={half}"]
 
 
-def kill_ray_daemon(node: str, job: str, daemon: str = "raylet") -> None:
-    """SIGKILL the job's Ray `daemon` (raylet, gcs_server) on `node` (in its network namespace)."""
+def kill_ray_daemon(node: str, job: str, daemon: str = "raylet", sig: int = signal.SIGKILL) -> int:
+    """Send `sig` (SIGKILL: the node is lost) to the job's Ray `daemon` (raylet, gcs_server) on `node`
+    (in its network namespace); its pid."""
     pids = subprocess.run(["ip", "netns", "pids", f"{NS}{node}"], capture_output=True, text=True).stdout.split()
     for pid in pids:
         try:
@@ -40,6 +41,23 @@ def kill_ray_daemon(node: str, job: str, daemon: str = "raylet") -> None:
         except OSError:
             continue
         if daemon in cmd.split("\0")[0] and f"ray_{job}_" in cmd:
-            os.kill(int(pid), signal.SIGKILL)
-            return
+            os.kill(int(pid), sig)
+            return int(pid)
     raise AssertionError(f"no {daemon} of job {job} on {node}")
+
+
+# Ray's own health-check defaults (ray_config_def.h: a check every 3 s, 10 s to answer, 5 failures) declare a
+# raylet that answers nothing dead after about 5 x (10 + 3) = 65 s; the `ray` section's defaults after minutes
+RAY_DEFAULT_DETECTION_S = 65
+
+
+def starve_raylet(node: str, job: str, seconds: float) -> None:
+    """The job's raylet on `node` gets no CPU at all for `seconds` (SIGSTOP, then SIGCONT): the worst a busy
+    node does to it (a checkpoint save or a refit's packing on every core leaves it some)."""
+    import time
+
+    pid = kill_ray_daemon(node, job, sig=signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -34,6 +34,13 @@ def order(items: list) -> None:
     items.sort(key=lambda item: rank.get(tier_of(item.nodeid), len(TIERS)))
 
 
+def whole_suite(args: list[str], rootdir: str) -> bool:
+    """`pytest tests` (README's command) or `pytest` in the repository: every tier."""
+    tests = os.path.join(rootdir, "tests")
+    paths = [os.path.abspath(a.rstrip("/")) for a in args if not a.startswith("-")] or [os.getcwd()]
+    return any(p in (tests, rootdir) for p in paths)
+
+
 def workers(args: list[str], rootdir: str) -> int:
     """How many workers `pytest ARGS` gets when it names none (0: this process). One per core (at
     most MAX_WORKERS) when the arguments hold the whole unit tier (`tests` or `tests/unit`, nothing

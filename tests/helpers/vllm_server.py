@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -56,7 +58,8 @@ def vllm_server(args: list[str], log_path: Path, ready_timeout_s: float = 300, a
     port = free_port()
     cmd = [sys.executable, "-m", "workers.generator.serve", *args, *([] if as_printed else TEST_OPTIONS),
            "--host", "127.0.0.1", "--port", str(port)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+    tmp = tempfile.mkdtemp(prefix="vllm-serve-")  # its vllm_dist_* files and IPC sockets: removed after it
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TMPDIR=tmp,
                PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if as_printed:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -86,3 +89,4 @@ def vllm_server(args: list[str], log_path: Path, ready_timeout_s: float = 300, a
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)

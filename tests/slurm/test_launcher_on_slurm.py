@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.slurm_jobs import driver_out, submit, task_log
-from tests.helpers.slurm_nodes import NS, kill_ray_daemon, slurm_shape
+from tests.helpers.slurm_nodes import NS, RAY_DEFAULT_DETECTION_S, kill_ray_daemon, slurm_shape, starve_raylet
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -54,9 +54,10 @@ def ray_processes_of(job: str, nodes: list[str]) -> list[str]:
 def test_launcher_job_forms_ray_cluster_with_roles_on_planned_nodes_only_its_token_attaches(slurm_cluster,
                                                                                            tmp_path):
     """One job (`run.job=hold`: the placement smoke, then the cluster held until RUN/release): the
-    roles on their planned nodes, a client from node1 without the job's token refused and with it
-    let in; once released the job completes, and no Ray process of it, nor its Ray temp dirs, stay
-    on any node."""
+    roles on their planned nodes; node3's raylet starved of all CPU for longer than Ray's own health
+    checks allow (ray.health_check_*: the job goes on, all 3 nodes alive); a client from node1 without
+    the job's token refused and with it let in; once released the job completes, and no Ray process
+    of it, nor its Ray temp dirs, stay on any node."""
     job, run = launch(tmp_path, "run.job=hold", PIN)
     try:
         deadline = time.time() + 180
@@ -68,6 +69,7 @@ def test_launcher_job_forms_ray_cluster_with_roles_on_planned_nodes_only_its_tok
         assert "all 3 node(s) registered" in task_log(run, job)
         assert (run / "config.yaml").is_file() and (run / "ray_job.sbatch").is_file()
         assert json.loads((run / "submissions.jsonl").read_text().splitlines()[0])["job_id"] == job
+        starve_raylet("node3", job, RAY_DEFAULT_DETECTION_S + 15)
         rendezvous = next((run / "ray").glob(f"{job}.*"))
         head = json.loads((rendezvous / "head.json").read_text())
         attach = (f"import ray; ray.init(address='{head['ip']}:{head['port']}', logging_level='ERROR'); "
@@ -185,3 +187,6 @@ def test_a_many_node_job_places_every_actor_as_planned_and_names_a_lost_node_in_
     while ray_processes_of(job, nodes) and time.time() < end:
         time.sleep(1)
     assert not ray_processes_of(job, nodes)
+    # the step was cancelled (SIGKILL: the reapers too); srun's task epilog removed every node's temp dir
+    assert sorted(Path("/tmp").glob(f"ray_{job}_*")) == []
+    assert sorted(p.name for p in (run / "logs" / "ray").iterdir()) == nodes  # their daemons' logs kept

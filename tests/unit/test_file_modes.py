@@ -34,7 +34,7 @@ def walk(root: Path, shared: bool) -> list[Path]:
     for p in [root, *sorted(root.rglob("*"))]:
         if p.is_symlink():
             continue
-        want = dirs if p.is_dir() else script if p.name.endswith(".sbatch") else plain
+        want = dirs if p.is_dir() else script if p.name.endswith((".sbatch", ".sh")) else plain
         assert mode(p) == want, f"{p}: {oct(mode(p))}, want {oct(want)}"
         if p != root:
             assert mode(p.parent) == dirs, f"{p.parent}: {oct(mode(p.parent))}"
@@ -60,7 +60,8 @@ def test_a_submission_leaves_only_private_files(sandbox, shared, capsys):
                        f"reward.fn={reward}:score"])
         assert rc == 0, capsys.readouterr().err
     names = {p.relative_to(runs).as_posix() for p in walk(runs, shared)}
-    assert {"r1/config.yaml", "r1/plan.txt", "r1/ray_job.sbatch", "r1/reward/my_reward.py", "r1/logs",
+    assert {"r1/config.yaml", "r1/plan.txt", "r1/ray_job.sbatch", "r1/task_epilog.sh", "r1/reward/my_reward.py",
+            "r1/logs",
             "r1/checkpoints", "r0/config.yaml", "r0/.in_use"} <= names
     assert "hf_secret" in (runs / "r1" / "config.yaml").read_text()
 

@@ -590,7 +590,7 @@ def _srun_words(text: str) -> list[str]:
 
     line = " ".join(text.split("srun ", 1)[1].replace("\\\n", " ").splitlines()[:1])
     words = shlex.split(line)
-    return [w for w in words if w.startswith("--container")] + [words[words.index("-u") - 1]]
+    return [w for w in words if w.startswith(("--container", "--task-epilog"))] + [words[words.index("-u") - 1]]
 
 
 @pytest.mark.parametrize("extra", [
@@ -609,12 +609,13 @@ def test_both_submission_paths_ask_for_the_same_job(extra):
     cfg = typed(compose([*SLURM, *extra]))
     plan = plan_mod.build(cfg.topology)
     spec = sbatch.job_spec(cfg, plan)
-    via_submitit = sbatch.submitit_script(spec, Path("/r un/submitit/%j"))
+    via_submitit = sbatch.submitit_script(spec, Path("/r un"))
     plain = sbatch.render(spec, plan, Path("/r un"))
     assert _allocation(via_submitit) == _allocation(plain)
     assert _srun_words(via_submitit) == _srun_words(plain)
+    assert _srun_words(plain)[0] == "--task-epilog=/r un/task_epilog.sh"  # quoted once on both paths
     if extra:
-        assert _srun_words(plain) == ["--container-image=nvcr.io#nvidia/pytorch:24.01-py3",
+        assert _srun_words(plain)[1:] == ["--container-image=nvcr.io#nvidia/pytorch:24.01-py3",
                                       "--container-mounts=/a b:/c,/lustre:/lustre", "/opt/my env/bin/python"]
         assert _allocation(plain)["partition"] == "gpu a" and _allocation(plain)["comment"] == "a #b $c"
 

@@ -270,3 +270,21 @@ def test_a_worker_gives_up_on_a_head_that_stopped_answering(tmp_path, ray_start_
     with pytest.raises(ClusterError, match="the Ray head node1 stopped answering"):
         for t in range(11):
             w.check(float(t))
+
+
+def test_rays_health_checks_are_the_ray_sections_in_every_ray_start():
+    """The GCS reads RAY_health_check_* when it starts; every node's `ray start` gets them (the
+    stress test on Slurm: tests/slurm/test_launcher_on_slurm.py). The defaults outlast a minute's
+    silence and still report a refused node within the 60 s the lost-node tests promise."""
+    from launcher.cluster.ray_node import health_check_env
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
+
+    default = typed(compose([])).ray
+    assert default.health_check_failure_threshold * default.health_check_period_s <= 60  # a node that is gone
+    assert default.health_check_failure_threshold * (default.health_check_timeout_s + default.health_check_period_s) \
+        > 5 * (10 + 3) + 60   # a node that answers nothing: well past Ray's own ~65 s
+    env = health_check_env(typed(compose(["ray.health_check_period_s=2.5", "ray.health_check_timeout_s=45",
+                                          "ray.health_check_failure_threshold=7"])))
+    assert env == {"RAY_health_check_period_ms": "2500", "RAY_health_check_timeout_ms": "45000",
+                   "RAY_health_check_failure_threshold": "7"}

@@ -96,7 +96,7 @@ def test_rendered_sbatch_matches_golden_file():
 def test_submitit_script_is_the_same_job():
     cfg, plan = plan_of("topology=slurm_3n", "slurm.partition=gpu")
     spec = sbatch.job_spec(cfg, plan)
-    text = sbatch.submitit_script(spec, Path("/runs/x/submitit/%j"))
+    text = sbatch.submitit_script(spec, Path("/runs/x"))
     for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=2", "#SBATCH --partition=gpu", "#SBATCH --signal=USR2@120",
                  "#SBATCH --time=240"):
@@ -107,7 +107,7 @@ def test_submitit_script_is_the_same_job():
     assert "--cpus-per-task=2" in srun.split()
     assert "--cpus-per-task" not in sbatch.submitit_script(sbatch.job_spec(*plan_of("topology=ultra_6n4g",
                                                                                     "topology.cpus_per_node=null")),
-                                                           Path("/runs/x/submitit/%j"))
+                                                           Path("/runs/x"))
 
 
 def test_dry_run_is_fast_imports_no_torch_and_writes_nothing(tmp_path):

@@ -352,3 +352,20 @@ def test_the_users_module_is_imported_at_submission_in_a_process_of_its_own(tmp_
         assert err is None
         return
     assert str(err).startswith(f"reward.fn: importing {path} ") and message in str(err), err
+
+
+def test_reward_workers_run_below_the_ray_daemons_priority(tmp_path):
+    """Busy reward workers must not starve their node's raylet (its health checks): they run at Ray's
+    workers' niceness, as the trainer and engine actors do, whatever the driver's."""
+    import os
+
+    from launcher.driver.reward_pool import NICENESS, WorkerPool
+
+    fn = tmp_path / "nice.py"
+    fn.write_text("import os\n\ndef niceness(response, example):\n    return float(os.nice(0))\n")
+    pool = WorkerPool(1, "launcher.driver.rewards", (f"{fn}:niceness", "answer", None))
+    try:
+        assert pool.call_all([("x", {})], 30.0) == [("ok", float(max(NICENESS, os.nice(0))))]
+    finally:
+        pool.close()
+    assert os.nice(0) < NICENESS  # the test's own process (the driver's stand-in) is untouched

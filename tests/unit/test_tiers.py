@@ -150,3 +150,19 @@ def test_the_local_ray_stops_after_the_last_test_that_uses_it(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "0", str(tmp_path / "tests"),
                         "--rootdir", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "3 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_what_a_run_leaves_in_the_temp_dir_is_named_and_only_the_kept_entries_are_not(tmp_path, monkeypatch):
+    import tempfile
+
+    from tests.helpers import temp_listing, tiers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # this test's own "system temp dir"
+    (tmp_path / "before").mkdir()
+    before = temp_listing.listing()
+    for name in ("ray_4242_0_1", "vllm_dist_0a1b", "pytest-of-root", "torchinductor_root", "slurm-test.lock"):
+        (tmp_path / name).mkdir()
+    assert temp_listing.left_behind(before) == [str(tmp_path / "ray_4242_0_1"), str(tmp_path / "vllm_dist_0a1b")]
+    root = str(tmp_path / "repo")
+    assert tiers.whole_suite([f"{root}/tests"], root) and tiers.whole_suite([f"{root}/tests/", "-x"], root)
+    assert not tiers.whole_suite([f"{root}/tests/unit"], root)
