@@ -41,12 +41,13 @@ def pytest_cmdline_main(config):
 
 
 def pytest_sessionstart(session):
-    """The whole suite (`pytest tests`) leaves nothing new in the temp dir (tests/helpers/temp_listing.py):
-    listed here, compared in pytest_sessionfinish (in the controller; xdist's workers are below it)."""
+    """The whole suite (`pytest tests`), or a whole tier, leaves nothing new in the temp dir
+    (tests/helpers/temp_listing.py): listed here, compared in pytest_sessionfinish (in the controller;
+    xdist's workers are below it)."""
     from tests.helpers import temp_listing, tiers
 
     config = session.config
-    if not os.environ.get("PYTEST_XDIST_WORKER") and tiers.whole_suite(config.args, str(config.rootpath)):
+    if not os.environ.get("PYTEST_XDIST_WORKER") and tiers.whole_tiers(config.args, str(config.rootpath)):
         _TEMP["before"] = temp_listing.listing()
 
 

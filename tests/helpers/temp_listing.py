@@ -1,7 +1,7 @@
 """What a whole test run leaves in the system temp dir: nothing but what it keeps on purpose.
 
-`pytest tests` lists the temp dir when it starts and again when it ends (tests/conftest.py); an entry
-that is new and still there fails the run, named. Every process the suite starts has a temp dir of its
+`pytest tests` (or a whole tier: `pytest tests/slurm`) lists the temp dir when it starts and again
+when it ends (tests/conftest.py); an entry that is new and still there fails the run, named. Every process the suite starts has a temp dir of its
 own that goes with it: a launcher run's Ray nodes (/tmp/ray_<job>_<attempt>_<node>, removed by the
 reaper or, for a cancelled Slurm step, by srun's task epilog: launcher.cluster.task_epilog), the local
 Ray of the integration tier (its TMPDIR too: vLLM's vllm_dist_* files), each `vllm serve`

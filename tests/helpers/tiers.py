@@ -34,11 +34,12 @@ def order(items: list) -> None:
     items.sort(key=lambda item: rank.get(tier_of(item.nodeid), len(TIERS)))
 
 
-def whole_suite(args: list[str], rootdir: str) -> bool:
-    """`pytest tests` (README's command) or `pytest` in the repository: every tier."""
+def whole_tiers(args: list[str], rootdir: str) -> bool:
+    """`pytest tests` (README's command), `pytest` in the repository, or whole tiers (`pytest tests/slurm`)."""
     tests = os.path.join(rootdir, "tests")
+    whole = {tests, rootdir, *(os.path.join(tests, t) for t in TIERS)}
     paths = [os.path.abspath(a.rstrip("/")) for a in args if not a.startswith("-")] or [os.getcwd()]
-    return any(p in (tests, rootdir) for p in paths)
+    return any(p in whole for p in paths)
 
 
 def workers(args: list[str], rootdir: str) -> int:

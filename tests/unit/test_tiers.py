@@ -164,5 +164,5 @@ def test_what_a_run_leaves_in_the_temp_dir_is_named_and_only_the_kept_entries_ar
         (tmp_path / name).mkdir()
     assert temp_listing.left_behind(before) == [str(tmp_path / "ray_4242_0_1"), str(tmp_path / "vllm_dist_0a1b")]
     root = str(tmp_path / "repo")
-    assert tiers.whole_suite([f"{root}/tests"], root) and tiers.whole_suite([f"{root}/tests/", "-x"], root)
-    assert not tiers.whole_suite([f"{root}/tests/unit"], root)
+    assert tiers.whole_tiers([f"{root}/tests"], root) and tiers.whole_tiers([f"{root}/tests/slurm/", "-x"], root)
+    assert not tiers.whole_tiers([f"{root}/tests/unit/test_tiers.py"], root)
