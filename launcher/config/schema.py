@@ -556,7 +556,10 @@ class RayCfg:
     health_check_timeout_s: float = knob(30.0, Range(0.1, 3600), "a raylet that answers no check within this "
                                                                  "counts one failure (starved, not gone)")
     health_check_failure_threshold: int = knob(10, Range(1, 1000), "failed checks in a row before Ray declares a "
-                                                                   "node dead")
+                                                                   "node dead: threshold x period for a node that is "
+                                                                   "gone (50 s), threshold x (timeout + period) for "
+                                                                   "one that answers nothing (about 6 min; Ray's own "
+                                                                   "defaults: about 65 s)")
 
 
 @dataclass
