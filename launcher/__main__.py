@@ -390,32 +390,52 @@ def _run_here(cfg, plan, run_dir: Path) -> int:
     log(f"run directory {run_dir}")
     t0 = time.time()
     restarts = 0
-    while True:
-        try:
-            out = run_local(cfg, plan, run_dir, attempt=restarts)
-            result = out.get("result") or {}
-            break
-        except ClusterError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            restarts = record_failure(run_dir, f"local-{os.getpid()}", e)
-            if restarts > cfg.retry.max_restarts:
-                return 1
-            cfg.resume = resume_after_requeue(cfg, run_dir)
-            log(f"restart {restarts}/{cfg.retry.max_restarts} (retry.max_restarts) from "
-                f"{cfg.resume or 'the beginning (no complete checkpoint yet)'}")
-        except KeyboardInterrupt:
-            # a further Ctrl-C while the interpreter exits (Ray's atexit hooks, daemon threads) would end it
-            # by the signal (exit -2) instead of 130: stopping was already asked for
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            print("interrupted: stopped at once (no checkpoint); Ray and vLLM processes are stopped", file=sys.stderr)
-            return 130
+    try:
+        # to the end of the run one Ctrl-C finishes the step and saves, whatever phase it lands in: the
+        # start-up, a step, the save, the clean-up, a restart (cluster.stop.armed); a second one stops at once
+        with stop_mod.armed(stop_mod.local_handlers()):
+            while True:
+                try:
+                    out = run_local(cfg, plan, run_dir, attempt=restarts)
+                    result = out.get("result") or {}
+                    break
+                except ClusterError as e:
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                    restarts = record_failure(run_dir, f"local-{os.getpid()}", e)
+                    if restarts > cfg.retry.max_restarts or stop_mod.stopping():  # asked to stop: no restart
+                        return 1
+                    cfg.resume = resume_after_requeue(cfg, run_dir)
+                    log(f"restart {restarts}/{cfg.retry.max_restarts} (retry.max_restarts) from "
+                        f"{cfg.resume or 'the beginning (no complete checkpoint yet)'}")
+    except KeyboardInterrupt:  # the second Ctrl-C
+        # a further Ctrl-C while the interpreter exits (Ray's atexit hooks, daemon threads) would end it
+        # by the signal (exit -2) instead of 130: stopping was already asked for
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("interrupted: stopped at once (no checkpoint); Ray and vLLM processes are stopped", file=sys.stderr)
+        return 130
     if result.get("stopped"):
         asked = out.get("stop_requested")  # python -m launcher.stop: what was asked for, not an interruption
-        print(f"stopped{' on request' if asked else ''} at step {result['step']} after saving a checkpoint; "
-              f"continue with the same command and +resume=latest", file=sys.stderr)
+        print(closing_line(result, bool(asked)), file=sys.stderr)
         return 0 if asked else 130
     log(f"finished in {time.time() - t0:.0f}s; everything is in {run_dir}")
     return 0
+
+
+def closing_line(result: dict, asked: bool = False) -> str:
+    """What a stopped local run says last: the step it stopped at and what continues it, as the
+    driver reports it (launcher.driver.grpo.outcome: the checkpoint it saved or resumed from)."""
+    step, ckpt = result["step"], result.get("checkpoint", result["step"])
+    how = f"stopped{' on request' if asked else ''} at step {step}"
+    if ckpt is None:
+        why = "before step 1" if step == 0 else "checkpointing.enabled=false"
+        return f"{how}: nothing was saved ({why}); the same command starts the run again from step 1"
+    if ckpt == step and result.get("saved", True):
+        return f"{how} after saving a checkpoint; continue with the same command and +resume=latest"
+    if ckpt == step:
+        return (f"{how}, before running a step: nothing new was saved; the same command continues from "
+                f"that checkpoint (step_{step}) again")
+    return (f"{how}; the newest checkpoint is step_{ckpt} (checkpointing.enabled=false): continue with the same "
+            f"command and +resume=latest, which runs steps {ckpt + 1}-{step} again")
 
 
 def cli() -> int:

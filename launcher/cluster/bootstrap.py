@@ -172,7 +172,13 @@ def run_driver(driver, cfg: Config, plan: plan_mod.Plan, ctx: JobContext, signal
 # ----------------------------------------------------------------------------------------- head
 def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, signals: dict | None = None) -> dict:
     """Start the head, run `driver(cfg, plan, ctx, stop)` (default: launcher.driver.jobs.run) with
-    `signals` {signal: handler} installed, stop Ray."""
+    `signals` {signal: handler} installed from the start-up to the end of the clean-up
+    (cluster.stop.armed: a signal during the start-up stops the driver before its first step), stop Ray."""
+    with stop.armed(signals or {}):
+        return _run_head(ctx, cfg, plan, driver, signals)
+
+
+def _run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver, signals: dict | None) -> dict:
     ctx.startup.append(("launcher: Python, imports, config, run directory", time.time()))
     files.make_dir(ctx.rendezvous)  # the run directory's policy (RUN/ray/ and below)
     os.environ.update(driver_env(ctx))  # this process becomes the driver; Ray reads these at import
@@ -197,6 +203,7 @@ def run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver=None, sig
         log(f"Ray head up at {ip}:{port} on {ctx.hostname} (job {ctx.job_id}); waiting for "
             f"{len(plan.nodes)} node(s)")
         connect(ctx, ip, port)
+        stop.reinstall()  # ray.init installed its own SIGTERM handler
         with progress.waiting(f"waiting for {len(plan.nodes)} node(s) to register with the Ray head", log):
             wait_for_nodes(ctx, cfg, plan)
         ctx.startup.append(("Ray up (head started, all nodes registered)", time.time()))

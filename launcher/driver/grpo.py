@@ -166,6 +166,7 @@ class GrpoRun:
         metrics = MetricsLogger(self.run_dir, cfg.logging, g.max_num_steps, resumed_step=step)
         self.startup.mark(("resume + " if cfg.resume else "") + "metrics writers (TensorBoard)")
         first_step, last_saved = step + 1, step
+        saved = False                              # a checkpoint written by this run
         config_yaml = (self.run_dir / paths.CONFIG).read_text()
         try:
             while step < g.max_num_steps and not self.stop.is_set():
@@ -186,7 +187,7 @@ class GrpoRun:
                     row[names.STEP_TIME] = time.perf_counter() - t0
                     if self.ckpts.due(step, g.max_num_steps, stopping=self.stop.is_set()):
                         self.save(step, position, row, config_yaml)
-                        last_saved = step
+                        last_saved, saved = step, True
                 except StepFailed:
                     raise
                 except Exception as e:  # noqa: BLE001 - named and re-raised
@@ -196,6 +197,7 @@ class GrpoRun:
                     self.startup_done(row)
             if step != last_saved and self.cfg.checkpointing.enabled:
                 self.save(step, position, {}, config_yaml)
+                last_saved, saved = step, True
         finally:
             metrics.close()
             self.pipeline.close()
@@ -206,7 +208,7 @@ class GrpoRun:
         files.write(self.run_dir / paths.SUMMARY, table + "\n")
         stopped = self.stop.is_set() and step < g.max_num_steps
         log(("stopped" if stopped else "finished") + f" at step {step}/{g.max_num_steps}\n" + table)
-        return {"step": step, "stopped": stopped}
+        return outcome(step, stopped, last_saved if saved or cfg.resume else None, saved)
 
     def startup_done(self, row: dict) -> None:
         name = f"step {self.ctx.progress['step']} (this run's first)"
@@ -246,7 +248,26 @@ class GrpoRun:
             + (f"; with the rollouts of step(s) {', '.join(str(r.step) for r in ahead)}" if ahead else "") + ")")
 
 
+def outcome(step: int, stopped: bool, checkpoint: int | None, saved: bool) -> dict:
+    """What the driver returns: the step it ended at, whether a stop ended it before max_num_steps,
+    the step of the newest checkpoint that continues it (the one it saved last, else the one it
+    resumed from; None: no checkpoint, the run starts again from step 1) and whether it saved one."""
+    return {"step": step, "stopped": stopped, "checkpoint": checkpoint, "saved": saved}
+
+
+def stopped_before_start(cfg: Config, ctx: JobContext) -> dict:
+    """A stop (Ctrl-C, a preemption) during the start-up before the driver: no actor is started,
+    nothing is saved; the run is where its +resume checkpoint left it, or at step 0."""
+    from launcher.driver import start_check
+
+    step = start_check.resume(cfg, ctx.run_dir, finished_ok=True)[1].step if cfg.resume else 0
+    log(f"stopped before step {step + 1}, during the start-up: no actor started, nothing saved")
+    return outcome(step, True, step if cfg.resume else None, False)
+
+
 def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event | None = None) -> dict:
+    if stop is not None and stop.is_set():
+        return stopped_before_start(cfg, ctx)
     startup = Startup.since_process_start(ctx.startup)  # phases end to end, see driver.startup
     rewards = rewards_mod.Rewards(cfg.reward, cfg.data.answer_key, ctx.run_dir)
     parts = Workers()

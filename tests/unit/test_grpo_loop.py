@@ -179,7 +179,7 @@ class Run:
     """One GrpoRun on fakes in RUN_ROOT/<name>; `events`: everything the fakes saw, in order."""
 
     def __init__(self, tmp_path: Path, name: str, *overrides: str, seed: int = 0, deferrable: bool = True,
-                 stop_after: int | None = None, resume: str | None = None):
+                 stop_after: int | None = None, resume: str | None = None, stopped_at_start: bool = False):
         self.cfg, yaml = config(tmp_path, f"run.name={name}", *overrides)
         self.cfg.resume = resume
         self.dir = tmp_path / name
@@ -187,6 +187,8 @@ class Run:
         (self.dir / "config.yaml").write_text(yaml)
         self.events: list = []
         self.stop = threading.Event()
+        if stopped_at_start:  # Ctrl-C or a preemption during the start-up: before the loop's first step
+            self.stop.set()
         clock = Clock(seed)
         on_train = (lambda v: v == stop_after and self.stop.set()) if stop_after else None
         self.trainers = FakeTrainers(clock, self.events, on_train)
@@ -293,7 +295,7 @@ def test_a_resume_while_a_rollout_was_in_flight_equals_the_uninterrupted_run(tmp
     straight = Run(tmp_path, "straight", *over, seed=3, deferrable=deferrable)
     # stop (Ctrl-C, a preemption) during step 3: the rollout of step 4 is in flight
     first = Run(tmp_path, "parts", *over, seed=4, deferrable=deferrable, stop_after=3)
-    assert first.result == {"step": 3, "stopped": True}
+    assert first.result == {"step": 3, "stopped": True, "checkpoint": 3, "saved": True}
     ckpt = first.dir / "checkpoints" / "step_3"
     info = json.loads((ckpt / "training_info.json").read_text())
     assert info["pipeline"] == {"max_lag": 1, "ahead": [4]}
@@ -301,7 +303,7 @@ def test_a_resume_while_a_rollout_was_in_flight_equals_the_uninterrupted_run(tmp
     assert [(r["step"], r["version"]) for r in kept] == [(4, 2)]
     assert info["consumed_prompts"] == 3 * 2 and kept[0]["position"] == 4 * 2
     second = Run(tmp_path, "parts", *over, seed=5, deferrable=deferrable, resume="latest")
-    assert second.result == {"step": 6, "stopped": False}
+    assert second.result == {"step": 6, "stopped": False, "checkpoint": 6, "saved": True}
     assert [deterministic(r) for r in second.rows()] == [deterministic(r) for r in straight.rows()]
     assert second.trainers.version == straight.trainers.version == 6
     # what the engines did after the resume is the tail of the uninterrupted run: step 4 was not generated again
@@ -309,6 +311,21 @@ def test_a_resume_while_a_rollout_was_in_flight_equals_the_uninterrupted_run(tmp
     assert tail[0] == ("refit", 3) and tail == straight.engine_log()[-len(tail):]
     trained = lambda run: [e for e in run.events if e[0] == "train"]  # noqa: E731
     assert trained(first) + trained(second) == trained(straight)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_stop_before_the_first_step_saves_nothing_and_says_so(tmp_path, lag):
+    """A Ctrl-C or a preemption during the start-up: no step runs and no checkpoint is written; the
+    outcome says none continues the run (the launcher's closing line then says the same command
+    starts it again, not +resume=latest), or, resumed, that the one it resumed from still does."""
+    over = ["grpo.max_num_steps=4", "checkpointing.save_period=2", f"grpo.pipeline.enabled={str(bool(lag)).lower()}"]
+    fresh = Run(tmp_path, "fresh", *over, stopped_at_start=True)
+    assert fresh.result == {"step": 0, "stopped": True, "checkpoint": None, "saved": False}
+    assert not list((fresh.dir / "checkpoints").glob("step_*")) and fresh.trainers.version == 0
+    Run(tmp_path, "resumed", *over, stop_after=2)
+    again = Run(tmp_path, "resumed", *over, resume="latest", stopped_at_start=True)
+    assert again.result == {"step": 2, "stopped": True, "checkpoint": 2, "saved": False}
+    assert [p.name for p in sorted((again.dir / "checkpoints").glob("step_*"))] == ["step_2"]
 
 
 def test_a_checkpoint_without_the_rollouts_ahead_restarts_the_schedule_at_its_step(tmp_path):
