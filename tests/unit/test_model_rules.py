@@ -44,7 +44,7 @@ def _llama3(**rope) -> dict:
 
 
 def _yarn(**rope) -> dict:
-    cfg = pm.qwen3_0_6b()
+    cfg = pm.qwen3_30b_a3b()   # the YaRN its model card advises
     cfg["rope_scaling"] = {**cfg["rope_scaling"], **rope}
     return cfg
 
