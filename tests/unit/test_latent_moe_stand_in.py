@@ -31,7 +31,8 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer import TransformerConfig
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
-torch.distributed.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+_PG = tempfile.TemporaryDirectory(prefix="pg-")  # the rendezvous file: removed when the worker exits
+torch.distributed.init_process_group("gloo", init_method=f"file://{_PG.name}/pg", rank=0, world_size=1)
 parallel_state.initialize_model_parallel(1, 1)
 H, L, E, K, I, S = 64, 24, 8, 3, 32, 48
 hf_cfg = transformers.NemotronHConfig(hidden_size=H, moe_latent_size=L, n_routed_experts=E, num_experts_per_tok=K,
