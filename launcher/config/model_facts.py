@@ -404,9 +404,7 @@ def non_finite(hf: Mapping[str, Any], family: str) -> list[str]:
     cls = hf_classes.hf_class(family)
     out = []
     for key in hf:
-        name = cls.field_of(key) if cls is not None else None
-        default = cls.defaults[name] if name is not None else hf_classes.COMPUTED
-        todo = [(str(key), hf[key], default)]
+        todo = [(str(key), hf[key], _class_default(family, str(key)))]
         while todo:
             at, value, there = todo.pop()
             if isinstance(value, dict):
