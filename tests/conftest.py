@@ -22,6 +22,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 REPO = Path(__file__).resolve().parents[1]
 _LOCAL_RAY: dict = {}  # the last test id that uses local_ray, and how to stop it
 _TEMP: dict = {}       # the temp dir's listing when the whole suite started
+_COUNTS: dict = {}     # where the processes the tests start are counted (tests/helpers/process_counts.py)
 
 
 # ------------------------------------------------------------------------ order and workers
@@ -38,6 +39,24 @@ def pytest_cmdline_main(config):
     n = tiers.workers(config.args, str(config.rootpath))
     if n > 1:
         config.option.numprocesses = n
+
+
+def pytest_configure(config):
+    """`pytest tests` or a whole tier counts the processes its tests start, by kind and module
+    (tests/helpers/process_counts.py; the table ends the output). Set up before xdist's workers
+    start, so that they and everything below them inherit it."""
+    from tests.helpers import process_counts, tiers
+
+    if (not os.environ.get("PYTEST_XDIST_WORKER") and process_counts.ENV not in os.environ
+            and tiers.whole_tiers(config.args, str(config.rootpath))):
+        _COUNTS["folder"] = process_counts.enable()
+
+
+def pytest_unconfigure(config):
+    from tests.helpers import process_counts
+
+    if "folder" in _COUNTS:
+        process_counts.disable(_COUNTS.pop("folder"))
 
 
 def pytest_sessionstart(session):
@@ -102,6 +121,12 @@ def pytest_terminal_summary(terminalreporter):
         if slowest:
             terminalreporter.write_sep("=", "the slowest modules of the other tiers")
             for line in slowest:
+                terminalreporter.write_line(line)
+        if "folder" in _COUNTS:
+            from tests.helpers import process_counts
+
+            terminalreporter.write_sep("=", "processes started, by kind (tests/helpers/process_counts.py)")
+            for line in process_counts.table(_COUNTS["folder"], reports):
                 terminalreporter.write_line(line)
         terminalreporter.write_sep("=", "time per tier")
         for line in tiers.summary(reports):
