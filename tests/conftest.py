@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 REPO = Path(__file__).resolve().parents[1]
-_LOCAL_RAY: dict = {}  # the last test id that uses local_ray, and how to stop it
+_LOCAL_RAY: dict = {}  # the last test id of each stream that uses local_ray, how to start and stop it
 _TEMP: dict = {}       # the temp dir's listing when the whole suite started
 _COUNTS: dict = {}     # where the processes the tests start are counted (tests/helpers/process_counts.py)
 
@@ -98,16 +98,27 @@ def pytest_collection_modifyitems(config, items):
     from tests.helpers import tiers
 
     tiers.order(items)
-    using = [item.nodeid for item in items if "local_ray" in getattr(item, "fixturenames", ())]
-    _LOCAL_RAY["last"] = using[-1] if using else None
+    last = {}
+    for item in items:
+        if "local_ray" in getattr(item, "fixturenames", ()):
+            last[tiers.stream_of(tiers.tier_of(item.nodeid))] = item.nodeid
+    _LOCAL_RAY["last"] = set(last.values())
+
+
+def pytest_runtest_setup(item):
+    """A test of a later stream that uses `local_ray`, in the process whose Ray stopped after an
+    earlier stream (`-n 0`, or fewer workers than streams): its Ray starts again."""
+    if "local_ray" in getattr(item, "fixturenames", ()) and _LOCAL_RAY.get("start") and not _LOCAL_RAY.get("stop"):
+        _LOCAL_RAY["start"]()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test that uses `local_ray`, its Ray stops: its daemons would otherwise take a
-    share of the two cores through the e2e and Slurm tiers, which start Rays of their own."""
+    """After the last test of its stream (tests/helpers/tiers.py STREAMS) that uses `local_ray`,
+    its Ray stops: its daemons would otherwise take a share of the two cores through the tiers
+    after it, which start Rays of their own."""
     yield
-    if item.nodeid == _LOCAL_RAY["last"] and _LOCAL_RAY.get("stop"):
+    if item.nodeid in _LOCAL_RAY.get("last", ()) and _LOCAL_RAY.get("stop"):
         _LOCAL_RAY.pop("stop")()
 
 
@@ -159,29 +170,40 @@ def tiny_model(model_cache):
 
 @pytest.fixture(scope="session")
 def local_ray():
-    """One local Ray instance for the integration tests of a session, with both role resources.
-    Its temp dir (Ray's session, and the TMPDIR of its workers: vLLM's rendezvous files) is a
-    fresh one, removed at the end, as a launcher run removes its own (launcher.cluster.reaper)."""
-    import shutil
-    import tempfile
-
+    """One local Ray instance for the integration tests of a session (of each stream: tests/helpers/
+    tiers.py), with both role resources. Its temp dir (Ray's session, and the TMPDIR of its workers:
+    vLLM's rendezvous files) is a fresh one, removed at the end, as a launcher run removes its own
+    (launcher.cluster.reaper)."""
     ray = pytest.importorskip("ray")
-    temp = tempfile.mkdtemp(prefix="ray-tests-")  # short: Ray's socket paths must stay under 108 characters
-    os.mkdir(f"{temp}/tmp")
     if not ray.is_initialized():
-        ray.init(num_cpus=8, resources={"train_slot": 4, "generation_slot": 2}, include_dashboard=False,
-                 object_store_memory=512 * 2**20, log_to_driver=True, _temp_dir=temp,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                                           "HF_HUB_OFFLINE": "1", "TMPDIR": f"{temp}/tmp"}})
-
-    def stop():
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
-
-    _LOCAL_RAY["stop"] = stop  # called after the session's last test that uses it (pytest_runtest_teardown)
+        _start_local_ray()
     yield ray
     if _LOCAL_RAY.pop("stop", None):
-        stop()
+        _stop_local_ray()
+
+
+def _start_local_ray() -> None:
+    import tempfile
+
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="ray-tests-")  # short: Ray's socket paths must stay under 108 characters
+    os.mkdir(f"{temp}/tmp")
+    ray.init(num_cpus=8, resources={"train_slot": 4, "generation_slot": 2}, include_dashboard=False,
+             object_store_memory=512 * 2**20, log_to_driver=True, _temp_dir=temp,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                                       "HF_HUB_OFFLINE": "1", "TMPDIR": f"{temp}/tmp"}})
+    _LOCAL_RAY.update(temp=temp, start=_start_local_ray, stop=_stop_local_ray)
+
+
+def _stop_local_ray() -> None:
+    """Called after the last test of a stream that uses local_ray (pytest_runtest_teardown)."""
+    import shutil
+
+    import ray
+
+    ray.shutdown()
+    shutil.rmtree(_LOCAL_RAY.get("temp", ""), ignore_errors=True)
 
 
 def ray_processes_of(job: str) -> list[str]:

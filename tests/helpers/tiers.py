@@ -2,12 +2,13 @@
 
 Tiers run quickest first, so a broken build fails in minutes: unit, integration, e2e, slurm, gpu
 (`order`). The unit tests are independent of each other and run on one worker per core
-(pytest-xdist), one test module at a time (its module fixtures are built once); every other tier
-starts Ray, vLLM, Megatron or the one Slurm test cluster of the machine, so all of their tests run
-in order on one more worker of their own, once no unit module is left to hand out
-(`TierScheduling`). `pytest tests` and `pytest tests/unit` start the workers by themselves
-(`workers`); `-n 0` runs everything in this process, `-n N` sets the number. What each tier
-proves and its time budget: docs/testing.md.
+(pytest-xdist), one test module at a time (its module fixtures are built once). Every other tier
+starts Ray, vLLM, Megatron or the one Slurm test cluster of the machine, and spends much of its
+time waiting on them (its processes use about three quarters of a core, counted by
+tests/helpers/process_counts.py): they form STREAMS, each run in order on one more worker of its
+own, from the start and next to each other and to the unit modules (`TierScheduling`). `pytest tests` and `pytest tests/unit` start
+the workers by themselves (`workers`); `-n 0` runs everything in this process, `-n N` sets the
+number. What each tier proves and its time budget: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ from collections import defaultdict
 
 TIERS = ("unit", "integration", "e2e", "slurm", "gpu")
 PARALLEL = ("unit",)            # tiers whose tests may run on any worker, next to each other
-SERIAL = "serial-tiers"         # the one work unit that holds every test of the other tiers
+# the other tiers: each stream is one work unit, run in order on a worker of its own. They share
+# nothing (each worker's `local_ray` is its own; the Slurm test cluster is the slurm stream's), and
+# each waits on its processes most of the time, so side by side they fill the cores.
+STREAMS = (("integration",), ("e2e",), ("slurm", "gpu"))
+SERIAL = "serial-tiers"         # the prefix of a stream's work unit: serial-tiers:<its first tier>
 MAX_WORKERS = 4                 # for the unit tier, one per core (CI: 2); more only adds memory
+
+
+def stream_of(tier: str) -> str:
+    """The stream (its first tier's name) a tier other than the unit tier runs in."""
+    return next((s[0] for s in STREAMS if tier in s), STREAMS[-1][0])
 
 
 def tier_of(nodeid: str) -> str:
@@ -52,46 +62,56 @@ def workers(args: list[str], rootdir: str) -> int:
     if not any(p in (tests, unit, rootdir) for p in paths):
         return 0
     cores = max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
-    return cores + 1 if any(p in (tests, rootdir) for p in paths) and cores > 1 else cores
+    return cores + len(STREAMS) if any(p in (tests, rootdir) for p in paths) and cores > 1 else cores
 
 
 def scheduler(config, log):
     """The xdist scheduler of the tiers (imported only when xdist runs)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class TierScheduling(LoadScopeScheduling):
-        """A unit test module is a work unit, handed to the workers as they ask; all other tests are
-        one work unit, SERIAL, for one worker of its own (the last one), which takes it at once and
-        runs it in collection order (by tier: `order`) while the others run the unit modules: a
-        Ray, vLLM or Megatron test leaves about a quarter of two cores idle (waiting on its actors
-        and subprocesses), which the unit tests take. With a single worker: the unit modules first."""
+    rank = {s[0]: i for i, s in enumerate(STREAMS)}
 
-        _serial_node = None
+    class TierScheduling(LoadScopeScheduling):
+        """A unit test module is a work unit, handed to the workers as they ask; each stream of the
+        other tiers is one work unit for a worker of its own (the last ones), given to it at once
+        and run in collection order (by tier: `order`), next to the other streams and the unit
+        modules. With fewer workers than streams + 1, a worker runs several streams one after the
+        other; with a single worker, the unit modules come first. A stream's worker gets its streams
+        at once and is then told to shut down: an xdist worker holds its last test until it knows
+        whether more work comes (the next test's id decides the fixtures' teardown)."""
+
+        _owners: dict | None = None  # stream work unit -> its worker
 
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid.split("::", 1)[0] if tier_of(nodeid) in PARALLEL else SERIAL
+            tier = tier_of(nodeid)
+            return nodeid.split("::", 1)[0] if tier in PARALLEL else f"{SERIAL}:{stream_of(tier)}"
 
         def _give(self, node, scope: str) -> None:
             self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
+        def _streams(self) -> list[str]:
+            return sorted((s for s in self.workqueue if s.startswith(SERIAL)), key=lambda s: rank[s.split(":", 1)[1]])
+
         def _assign_work_unit(self, node) -> None:
-            units = [s for s in self.workqueue if s != SERIAL]
+            streams = self._streams()
+            units = [s for s in self.workqueue if not s.startswith(SERIAL)]
             if len(self.nodes) == 1:
-                self._give(node, units[0] if units else SERIAL)
+                self._give(node, units[0] if units else streams[0])
                 return
-            if self._serial_node not in self.nodes:
-                self._serial_node = self.nodes[-1]
-            serial = self._serial_node
-            if node is serial:  # SERIAL at once (the unit modules fill the cores its tests leave idle), nothing else
-                if SERIAL in self.workqueue:
-                    self._give(node, SERIAL)
+            if self._owners is None:  # the last workers, one per stream while one is left for the unit modules
+                k = max(1, min(len(streams), len(self.nodes) - (1 if units else 0)))
+                self._owners = {s: self.nodes[-1 - i % k] for i, s in enumerate(streams)}
+            owned = [s for s, n in self._owners.items() if n is node]
+            if owned:  # a stream's worker: its streams at once (in order), nothing else
+                mine = [s for s in streams if s in owned]
+                for scope in mine:
+                    self._give(node, scope)
+                if mine and not node.shutting_down:
+                    node.shutdown()  # it runs its last test only once it knows nothing comes after it
                 return
             if units:
                 self._give(node, units[0])
-            if (len(units) <= 1 and SERIAL not in self.workqueue and not self._pending_of(self.assigned_work[serial])
-                    and not serial.shutting_down):
-                serial.shutdown()  # through before the unit tier: nothing else comes for it
 
     return TierScheduling(config, log)
 

@@ -2,10 +2,10 @@
 this suite's: tests/unit (three modules), tests/integration, tests/e2e and tests/slurm, wired
 with tests/conftest.py's own hooks. Each test appends (worker, test id, start, end) to a log.
 
-- `pytest tests` starts one worker per core and one more: the unit modules are spread over the
-  workers, a module whole on one worker; every other test runs on that one more worker, which runs
-  no unit test, in tier order (integration, e2e, slurm), from the start, next to the unit modules;
-  the terminal ends with the time per tier;
+- `pytest tests` starts one worker per core and one more per stream of the other tiers
+  (integration; e2e; slurm and gpu): the unit modules are spread over the workers, a module whole
+  on one worker; each stream runs in tier order on a worker of its own, from the start, next to
+  the other streams and the unit modules, and that worker runs no unit test; the terminal ends with the time per tier;
 - `-n 0` runs everything in this process in tier order; which arguments start workers (a single
   file starts none): `workers`.
 """
@@ -67,27 +67,34 @@ def _pytest(root: Path, *args: str) -> tuple[subprocess.CompletedProcess, list]:
     return p, [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def test_the_whole_tree_spreads_the_unit_modules_and_runs_the_other_tiers_next_to_them_in_order(tmp_path):
+def test_the_whole_tree_spreads_the_unit_modules_and_runs_each_stream_on_a_worker_of_its_own(tmp_path):
     pytest.importorskip("xdist")
     _tree(tmp_path)
     p, log = _pytest(tmp_path, str(tmp_path / "tests"), "--rootdir", str(tmp_path))
     cores = max(1, min(len(os.sched_getaffinity(0)), tiers.MAX_WORKERS))
-    expected_workers = cores + 1 if cores > 1 else cores
+    expected_workers = cores + len(tiers.STREAMS) if cores > 1 else cores
     unit = [x for x in log if x[1].startswith("unit/")]
     serial = [x for x in log if not x[1].startswith("unit/")]
     assert len(unit) == 3 * PER_MODULE and len(serial) == 5
     # a unit module runs whole on one worker
     for module in ("unit/test_u1.py", "unit/test_u2.py", "unit/test_u3.py"):
         assert len({w for w, name, *_ in unit if name.startswith(module)}) == 1, unit
-    # the other tiers: one worker, in tier order, none of its tests a unit test
-    assert [name for _, name, *_ in serial] == ["integration/test_i.py::0", "integration/test_i.py::1",
-                                               "e2e/test_e.py::0", "e2e/test_e.py::1", "slurm/test_s.py::0"]
-    (worker,) = {w for w, *_ in serial}
+    streams = {}
+    for w, name, t0, end in serial:
+        streams.setdefault(name.split("/")[0], []).append((w, name, t0, end))
+    assert [n for _, n, *_ in streams["integration"]] == ["integration/test_i.py::0", "integration/test_i.py::1"]
+    assert [n for _, n, *_ in streams["e2e"]] == ["e2e/test_e.py::0", "e2e/test_e.py::1"]
+    assert [n for _, n, *_ in streams["slurm"]] == ["slurm/test_s.py::0"]
+    owners = {tier: {w for w, *_ in rows} for tier, rows in streams.items()}
+    assert all(len(w) == 1 for w in owners.values()), owners  # a stream runs whole on one worker
     if expected_workers > 1:
-        assert worker not in {w for w, *_ in unit} and len({w for w, *_ in unit}) == expected_workers - 1
+        assert len(set().union(*owners.values())) == 3, owners  # each on a worker of its own
+        assert not set().union(*owners.values()) & {w for w, *_ in unit}, log  # no unit test on them
         # started at once, next to the unit modules: before any unit worker was through its first module
-        ends = {w: sorted(end for w2, _, _, end in unit if w2 == w) for w in {w for w, *_ in unit}}
-        assert min(t0 for _, _, t0, _ in serial) < min(e[PER_MODULE - 1] for e in ends.values()), log
+        firsts = [min(t0 for _, _, t0, _ in rows) for rows in streams.values()]
+        unit_only = {w for w, *_ in unit} - set().union(*owners.values())
+        ends = {w: sorted(end for w2, _, _, end in unit if w2 == w) for w in unit_only}
+        assert unit_only and max(firsts) < min(e[PER_MODULE - 1] for e in ends.values()), log
     summary = p.stdout.split("time per tier", 1)[1].splitlines()
     assert [line.split(":")[0] for line in summary[1:5]] == ["unit", "integration", "e2e", "slurm"], p.stdout
     assert summary[1].startswith(f"unit: {3 * PER_MODULE} tests, ") and " s wall (" in summary[1]
@@ -112,7 +119,7 @@ def test_n0_runs_every_tier_in_order_in_this_process(tmp_path):
 def test_workers_for_the_arguments(args, expected, monkeypatch):
     monkeypatch.chdir(REPO)
     cores = max(1, min(len(os.sched_getaffinity(0)), tiers.MAX_WORKERS))
-    want = {"all": cores + 1 if cores > 1 else cores, "unit": cores, 0: 0}[expected]
+    want = {"all": cores + len(tiers.STREAMS) if cores > 1 else cores, "unit": cores, 0: 0}[expected]
     assert tiers.workers(args, str(REPO)) == want
 
 
@@ -131,17 +138,23 @@ def test_tier_of_and_order():
                                          "tests/e2e/d.py::t", "tests/slurm/a.py::t", "tests/gpu/c.py::t", "x.py::t"]
 
 
-def test_the_local_ray_stops_after_the_last_test_that_uses_it(tmp_path):
+def test_the_local_ray_stops_after_the_last_test_of_a_stream_that_uses_it(tmp_path):
     """The integration tier's Ray (tests/conftest.py local_ray) is not left running through the tiers
-    after it: a Ray's daemons take a share of the two cores."""
+    after it: a Ray's daemons take a share of the two cores. In one process (-n 0), a later stream's
+    test that uses it gets it started again, and it stops after that one."""
     pytest.importorskip("ray")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "tests" / "integration").mkdir(parents=True)
     (tmp_path / "tests" / "e2e").mkdir()
+    (tmp_path / "tests" / "slurm").mkdir()
     (tmp_path / "tests" / "conftest.py").write_text(
-        "from tests.conftest import local_ray, pytest_collection_modifyitems, pytest_runtest_teardown\n")
+        "from tests.conftest import (local_ray, pytest_collection_modifyitems, pytest_runtest_setup,\n"
+        "                            pytest_runtest_teardown)\n")
     (tmp_path / "tests" / "e2e" / "test_e.py").write_text(
-        "import ray\n\ndef test_after():\n    assert not ray.is_initialized()\n")
+        "import ray\n\ndef test_after():\n    assert not ray.is_initialized()\n\n"
+        "def test_again(local_ray):\n    assert local_ray.is_initialized()\n")
+    (tmp_path / "tests" / "slurm" / "test_s.py").write_text(
+        "import ray\n\ndef test_last():\n    assert not ray.is_initialized()\n")
     (tmp_path / "tests" / "integration" / "test_i.py").write_text(
         "def test_one(local_ray):\n    assert local_ray.is_initialized()\n\n"
         "def test_two(local_ray):\n    assert local_ray.is_initialized()\n")
@@ -149,7 +162,7 @@ def test_the_local_ray_stops_after_the_last_test_that_uses_it(tmp_path):
     env.pop("PYTEST_XDIST_WORKER", None)
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "0", str(tmp_path / "tests"),
                         "--rootdir", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "3 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0 and "5 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
 
 
 def test_what_a_run_leaves_in_the_temp_dir_is_named_and_only_the_kept_entries_are_not(tmp_path, monkeypatch):
