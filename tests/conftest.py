@@ -18,6 +18,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # local_ray's too (launcher.cluster.ray_node.DAEMON_ENV)
 
 REPO = Path(__file__).resolve().parents[1]
 _LOCAL_RAY: dict = {}  # the last test id of each stream that uses local_ray, how to start and stop it

@@ -189,9 +189,10 @@ def _run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver, signals
     files.write(token, secret, files.PRIVATE)  # 0600 also in a run directory shared with the group
     if cfg.run.job == "preflight" and not preflight.checked(ctx):  # a local run: its one node, before Ray
         preflight.check_nodes(cfg, plan, ctx)
+    warming = None
     if driver is None and cfg.run.job == "grpo":  # after the auth env and the token: it imports ray
         from launcher.driver.startup import warm_imports
-        warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
+        warming = warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
     ip = resolve_ip(ctx.hostnames[0])
     port = cfg.ray.port if cfg.topology.executor == "slurm" else free_port()
     ray_proc = start_ray(ctx, cfg, plan.nodes[0], head_ip=ip, port=port, head=True)
@@ -211,6 +212,8 @@ def _run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver, signals
         if driver is None:
             from launcher.driver import jobs
             driver = jobs.run
+        if warming is not None:
+            warming.join()  # no import of the driver's beside it (warm_imports)
         result = run_driver(driver, cfg, plan, ctx, signals, ray_proc)
         status["ok"] = True
         asked = stop.finish_stop_request(ctx.run_dir, ctx.job_id, result or {})

@@ -106,6 +106,13 @@ def driver_env(ctx: JobContext) -> dict[str, str]:
     return {**auth_env(ctx), "RAY_ENABLE_AUTO_CONNECT": "0"}
 
 
+# Every `ray start`'s own settings (ray_config_def.h, read from RAY_<name>): no usage report, and
+# no idle Python worker per CPU when the driver connects (the raylet's --num_prestart_python_workers
+# is the node's CPU count: 72-144 processes on a GPU node that no actor of ours uses, each starting
+# its own worker process; on two cores, a second of CPU each).
+DAEMON_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_prestart_worker_first_driver": "0"}
+
+
 def health_check_env(cfg: Config) -> dict[str, str]:
     """The GCS's node health checks (ray_config_def.h's health_check_*, read from RAY_<name> by every
     Ray daemon when it starts; the head's GCS runs them): the `ray` section's, whose doc says why."""
@@ -155,8 +162,7 @@ def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: st
     log_file = ctx.log_path("ray")
     _log.debug(f"{ctx.hostname}: $ {shlex.join(cmd)} (log: {log_file})")
     ctx.worker_tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
-    env = {**os.environ, **auth_env(ctx), **worker_tmp_env(ctx), **health_check_env(cfg),
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **auth_env(ctx), **worker_tmp_env(ctx), **health_check_env(cfg), **DAEMON_ENV}
     reaper = [sys.executable, "-m", "launcher.cluster.reaper", f"--temp-dir={ctx.ray_temp_dir}",
               f"--keep-logs={ctx.ray_logs}", str(os.getpid())]
     with files.open_append(log_file) as out:  # the run directory's mode

@@ -183,10 +183,14 @@ def start_together(*factories, seconds: list | None = None):
     raise failed
 
 
-def warm_imports() -> None:
+def warm_imports():
     """Import what the GRPO driver needs (ray, torch, transformers, the worker groups: seconds of CPU)
     in a background thread, called while the Ray head starts, when this process only waits. An
-    import that fails here fails again, with its message, where the driver imports it."""
+    import that fails here fails again, with its message, where the driver imports it. Returns the
+    thread: the driver starts only once it is through (join it), because two threads importing
+    transformers' lazy modules at once can meet in importlib's deadlock guard, which hands one of
+    them a half-initialised module ("cannot import name 'AutoTokenizer' from 'transformers'": seen
+    on a loaded machine)."""
     import threading
 
     def target():
@@ -200,7 +204,9 @@ def warm_imports() -> None:
         except Exception:  # noqa: BLE001 - see the docstring
             pass
 
-    threading.Thread(target=target, name="warm-imports", daemon=True).start()
+    thread = threading.Thread(target=target, name="warm-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def warmed_up(generators, requests: int, tokens: int = 2):

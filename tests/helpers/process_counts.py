@@ -6,9 +6,10 @@ tests/helpers/process_probe first on PYTHONPATH (`enable`); every Python interpr
 below it, on this machine or on a node of the Slurm test cluster, writes one record there
 (process_probe/sitecustomize.py). At the end, `table` reads them, sorts each process into a kind
 and charges it to the test module that started it: a unit test's subprocess by the test it
-inherited in PYTEST_CURRENT_TEST, everything else (Ray workers inherit their raylet's
-environment, Slurm jobs their submitter's) by the time it started, to the test of the other tiers
-that was running then (they run one at a time, on one worker).
+inherited in PYTEST_CURRENT_TEST; everything else (Ray workers inherit their raylet's
+environment, Slurm jobs their submitter's, so that test may be an earlier one of the same stream)
+by the time it started, to the test of that stream that was running then (a stream's tests run
+one at a time, on one worker: tests/helpers/tiers.py).
 
 Kinds (a process counts once, in the first that fits):
   launcher    `python -m launcher ...` (a run, a dry run, status/stop)
@@ -32,6 +33,7 @@ from pathlib import Path
 ENV = "SUITE_PROCESS_LOG"
 PROBE = Path(__file__).resolve().parent / "process_probe"
 KINDS = ("launcher", "ray node", "megatron", "vllm", "ray worker", "python")
+EXECNET = "import sys;exec(eval(sys.stdin.readline()))"  # how execnet's popen starts an xdist worker
 
 
 def enable(environ=os.environ) -> str:
@@ -74,7 +76,7 @@ def kind(rec: dict) -> str | None:
     cmd = rec.get("cmd", [])
     args = [os.path.basename(a) for a in cmd[1:]]
     mods = rec.get("mods", "000")
-    if "pytest" in args or "xdist" in " ".join(cmd) or (rec.get("worker") and "-c" in cmd[1:2]):
+    if "pytest" in args or EXECNET in cmd:  # pytest, or one of xdist's workers (execnet starts them so)
         return None
     if "-m" in args and args[args.index("-m") + 1:][:1] == ["launcher"]:
         return "launcher"
@@ -89,28 +91,35 @@ def kind(rec: dict) -> str | None:
     return "python"
 
 
-def _phases(reports: list) -> list[tuple[float, float, str]]:
-    """(start, stop, module) of every phase of a test outside the unit tier, by start."""
-    from tests.helpers.tiers import tier_of
+def _phases(reports: list) -> dict[str, list[tuple[float, float, str]]]:
+    """{stream: [(start, stop, module) of every phase of its tests, by start]} outside the unit tier."""
+    from tests.helpers.tiers import stream_of, tier_of
 
-    out = [(r.start, r.stop, r.nodeid.split("::", 1)[0]) for r in reports
-           if tier_of(r.nodeid) != "unit" and getattr(r, "start", None) and getattr(r, "stop", None)]
-    return sorted(out)
+    out: dict[str, list] = defaultdict(list)
+    for r in reports:
+        tier = tier_of(r.nodeid)
+        if tier != "unit" and getattr(r, "start", None) and getattr(r, "stop", None):
+            out[stream_of(tier)].append((r.start, r.stop, r.nodeid.split("::", 1)[0]))
+    return {stream: sorted(rows) for stream, rows in out.items()}
 
 
-def module_of(rec: dict, phases: list) -> str:
-    """The test module that started a process (see the module's docstring)."""
-    from tests.helpers.tiers import tier_of
+def module_of(rec: dict, phases: dict) -> str:
+    """The test module that started a process (see the module's docstring): the test it inherited
+    names the stream (the streams run side by side: tests/helpers/tiers.py), the time the module."""
+    from tests.helpers.tiers import stream_of, tier_of
 
     test = rec.get("test", "").rsplit(" (", 1)[0]
-    if test and tier_of(test) == "unit":
+    if not test:
+        return "(outside any test)"
+    tier = tier_of(test)
+    if tier == "unit":
         return test.split("::", 1)[0]
     t0, module = rec.get("t0", 0.0), None
-    for start, _stop, mod in phases:
+    for start, _stop, mod in phases.get(stream_of(tier), []):
         if start > t0:
             break
         module = mod
-    return module or (test.split("::", 1)[0] if test else "(outside any test)")
+    return module or test.split("::", 1)[0]
 
 
 def counts(folder: str, reports: list) -> dict[str, dict]:

@@ -58,7 +58,8 @@ def test_kinds_from_command_lines_and_imports():
     assert process_counts.kind(rec(worker, mods="001", title="ray::RewardWorker")) == "ray worker"
     assert process_counts.kind(rec([py, "/venv/bin/vllm", "serve", "m"], mods="010")) == "vllm"
     assert process_counts.kind(rec([py, "-m", "pytest", "tests"])) is None
-    assert process_counts.kind(rec([py, "-c", "import sys;exec(eval(sys.stdin.readline()))"], worker="gw0")) is None
+    assert process_counts.kind(rec([py, "-c", "import sys;exec(eval(sys.stdin.readline()))"])) is None
+    assert process_counts.kind(rec([py, "-c", "pass"], worker="gw0")) == "python"  # a unit test's subprocess
 
 
 def test_other_tiers_charge_a_process_to_the_test_running_when_it_started():
@@ -66,10 +67,14 @@ def test_other_tiers_charge_a_process_to_the_test_running_when_it_started():
     time it started decides, not the test named in its environment."""
     reports = [SimpleNamespace(nodeid="tests/integration/test_trainer.py::t", start=10.0, stop=20.0),
                SimpleNamespace(nodeid="tests/integration/test_moe.py::t", start=20.0, stop=30.0),
+               SimpleNamespace(nodeid="tests/e2e/test_moe_local.py::t", start=5.0, stop=40.0),  # beside them
                SimpleNamespace(nodeid="tests/unit/test_grpo_loss.py::t", start=21.0, stop=22.0)]
     phases = process_counts._phases(reports)
     stale = "tests/integration/test_trainer.py::t (setup)"
     assert process_counts.module_of({"t0": 25.0, "test": stale}, phases) == "tests/integration/test_moe.py"
     assert process_counts.module_of({"t0": 12.0, "test": stale}, phases) == "tests/integration/test_trainer.py"
+    e2e = "tests/e2e/test_moe_local.py::t (call)"
+    assert process_counts.module_of({"t0": 25.0, "test": e2e}, phases) == "tests/e2e/test_moe_local.py"
     assert process_counts.module_of({"t0": 21.5, "test": "tests/unit/test_grpo_loss.py::t (call)"}, phases) == \
         "tests/unit/test_grpo_loss.py"
+    assert process_counts.module_of({"t0": 1.0, "test": ""}, phases) == "(outside any test)"
