@@ -8,6 +8,8 @@ expand exponentially, cut in half or of the wrong shape must end in one line nam
 (and the field), never in a hang, a memory blow-up or a traceback. So every such file is read
 here, and only here:
 
+  open_regular             the one open: a regular file only (a FIFO, socket, device or directory is one
+                           line naming it, and opening never blocks); a dangling link is a missing file
   read_bytes / read_text   at most `limit` bytes (a bigger file is refused before it is read)
   parse_json / json_file   JSON without NaN/Infinity, at most `depth` levels of nesting, every number a float's
   model_json               a model folder's JSON read as transformers reads it: NaN/Infinity as Python's json
@@ -29,10 +31,12 @@ loader (no torch): the launcher, the workers and the login node use it alike.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +73,46 @@ def _why(e: OSError) -> str:
     return e.strerror or type(e).__name__
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+
+
+def open_regular(path: Path | str) -> io.BufferedReader:
+    """`path` opened for reading in binary, if it is a regular file (after links). Opened without
+    blocking (O_NONBLOCK: a FIFO with no writer would block a plain open forever) and checked on the
+    open descriptor (no race with a rename), then switched back to blocking reads. FileMissing for a
+    path that does not exist or a link to nothing; FileError for anything else."""
+    def refuse(mode: int) -> FileError:
+        what = next((w for test, w in _KINDS if test(mode)), "not a regular file")
+        return FileError(path, "", f"{what}, not a regular file: only files are read")
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise FileMissing(path, "", f"unreadable ({_why(e)})") from None
+    except OSError as e:  # a socket cannot be opened at all (ENXIO): name what it is
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise refuse(mode) from None
+        raise FileError(path, "", f"unreadable ({_why(e)})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise refuse(mode)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_bytes(path: Path | str, limit: int, kind: str = "file") -> bytes:
     """The bytes of `path`, refused (FileError) when it holds more than `limit` or cannot be read."""
     try:
-        with io.open(path, "rb") as f:  # one open, no stat first: some files are polled every tick
+        with open_regular(path) as f:  # one open, no stat first: some files are polled every tick
             size = os.fstat(f.fileno()).st_size
             if size > limit:
                 raise FileError(path, "", f"{size:,} bytes, more than the {limit:,} read from a {kind}")
@@ -303,7 +343,7 @@ def safetensors_header(path: Path | str, limit: int = LIMITS["safetensors header
     size, inside the file); FileError naming the file and the tensor otherwise. Reads 8 + the
     header's bytes, whatever the file's size."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:

@@ -32,7 +32,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from launcher import files, paths, records
-from launcher.config import model_facts
+from launcher.config import bounded, model_facts
 from launcher.config.compose import ConfigError
 from launcher.config.schema import Checkpointing
 from launcher.paths import absolute
@@ -58,7 +58,7 @@ class Checkpoint:
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with bounded.open_regular(path) as f:  # a FIFO put in a file's place must not block
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -144,6 +144,9 @@ def verify(path: Path) -> None:
     root = path.resolve()
     for rel in listed:
         parts = Path(rel).parts
+        if "\0" in rel:  # no file has such a name (and Path.resolve raises on it)
+            raise CheckpointError(f"{manifest}: entry {rel!r} holds a NUL byte, not a file name; not a checkpoint "
+                                  f"of this launcher")
         if not rel or Path(rel).is_absolute() or ".." in parts or not (path / rel).resolve().is_relative_to(root):
             raise CheckpointError(f"{manifest}: entry {rel!r} points outside the checkpoint; not a checkpoint "
                                   f"of this launcher")
@@ -153,10 +156,14 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{f}: missing (listed in {MANIFEST})")
         if f.stat().st_size != size:
             raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {size} (truncated?)")
-        if _sha256(f) != digest:
+        try:
+            same = _sha256(f) == digest
+        except bounded.FileError as e:
+            raise CheckpointError(str(e)) from None
+        if not same:
             raise CheckpointError(f"{f}: content differs from the manifest (modified or replaced after the save)")
-    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*")
-                   if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in listed)
+    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*")  # a FIFO, socket or link as much as a file
+                   if (p.is_symlink() or not p.is_dir()) and p.name != MANIFEST and str(p.relative_to(path)) not in listed)
     if extra:
         raise CheckpointError(f"{path / extra[0]}: not part of the checkpoint (not in {MANIFEST})")
     info = _record(path / INFO, records.TRAINING_INFO)
@@ -206,8 +213,10 @@ def _check_pickle(f: Path):
     from workers import safe_unpickle
 
     try:
-        with open(f, "rb") as fh:
+        with bounded.open_regular(f) as fh:
             return safe_unpickle.load(fh)
+    except bounded.FileError as e:
+        raise CheckpointError(str(e)) from None
     except safe_unpickle.Refused as e:
         raise CheckpointError(f"{f}: {e}; the checkpoint was not written by this launcher, nothing was run") from None
     except Exception as e:  # noqa: BLE001 - truncated or foreign bytes: the same user-facing problem

@@ -134,3 +134,52 @@ def test_status_reads_a_run_directorys_records_with_limits(sandbox, capsys):
     assert status.main([str(run), "--json"]) == 0, capsys.readouterr().err
     (info,) = json.loads(capsys.readouterr().out)
     assert info["step"] == 1
+
+
+# ------------------------------------------------------------------ only regular files are read
+def _special(tmp_path, kind: str):
+    import os
+    import socket
+
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)          # no writer: a plain open() would block forever
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        return path, s
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "device":
+        path.symlink_to("/dev/zero")  # endless: a read without a size would never end
+    elif kind == "dangling":
+        path.symlink_to(tmp_path / "gone.json")
+    return path, None
+
+
+@pytest.mark.parametrize("kind,what", [("fifo", "a FIFO"), ("socket", "a socket"), ("directory", "a directory"),
+                                       ("device", "a character device")])
+@pytest.mark.parametrize("reader", ["json_file", "read_text", "safetensors_header", "model_json"])
+def test_only_a_regular_file_is_opened_and_nothing_blocks(tmp_path, kind, what, reader):
+    """A FIFO, socket, device or directory where a file is expected (e.g. inside a checkpoint or a
+    model folder) is one line naming it, at once: opening a FIFO that has no writer never blocks."""
+    path, keep = _special(tmp_path, kind)
+    call = {"json_file": lambda: bounded.json_file(path), "read_text": lambda: bounded.read_text(path, 100),
+            "safetensors_header": lambda: bounded.safetensors_header(path),
+            "model_json": lambda: bounded.model_json(path)}[reader]
+    try:
+        with pytest.raises(bounded.FileError) as e:
+            call()
+        assert str(e.value) == f"{path}: {what}, not a regular file: only files are read"
+        assert not isinstance(e.value, bounded.FileMissing)
+    finally:
+        if keep is not None:
+            keep.close()
+
+
+def test_a_dangling_link_is_a_missing_file_and_a_link_to_a_file_is_read(tmp_path):
+    path, _ = _special(tmp_path, "dangling")
+    with pytest.raises(bounded.FileMissing, match="unreadable \\(No such file or directory\\)"):
+        bounded.json_file(path)
+    (tmp_path / "gone.json").write_text('{"a": 1}')
+    assert bounded.json_file(path) == {"a": 1}

@@ -129,7 +129,12 @@ def at_point(phase: str, step: int, times: int):
         if where == phase and n == step and not fired:
             fired.append((where, n))
             ctrl_c(times, held=phase == "clean-up")
-            time.sleep(0.01)  # the handler runs now, in the middle of the phase
+            # the handler runs now, in the middle of the phase: the main thread runs it at its next
+            # bytecode, which on a loaded machine can be more than the 10 ms this once slept
+            deadline = time.monotonic() + 5
+            while phase != "clean-up" and not stop_mod.stopping() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.01)
     return at, fired
 
 

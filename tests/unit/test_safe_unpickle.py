@@ -9,6 +9,7 @@ import builtins
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,29 @@ def test_manifest_entry_outside_the_checkpoint_is_an_error(checkpoint, entry):
     manifest["files"][entry] = {"size": 1, "sha256": "0" * 64}
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=f"entry '{entry}' points outside the checkpoint"):
+        verify(checkpoint)
+
+
+def test_a_manifest_entry_with_a_nul_byte_is_one_line(checkpoint):
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"]["trainer/\u0000x"] = {"size": 1, "sha256": "0" * 64}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=re.escape("entry 'trainer/\\x00x' holds a NUL byte, not a file name")):
+        verify(checkpoint)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["trainer/pipe", "pipe"])
+def test_a_fifo_in_a_checkpoint_is_refused_at_once(checkpoint, where):
+    """A FIFO nobody writes to: any open of it for reading would block forever."""
+    os.mkfifo(checkpoint / where)
+    with pytest.raises(CheckpointError, match=f"{where}: not part of the checkpoint"):
+        verify(checkpoint)
+    (checkpoint / where).unlink()
+    listed = sorted(p for p in (checkpoint / "trainer").iterdir() if p.is_file())[0]  # a listed file's place
+    listed.unlink()
+    os.mkfifo(listed)
+    with pytest.raises(CheckpointError, match="missing"):
         verify(checkpoint)
 
 
