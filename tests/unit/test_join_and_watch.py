@@ -164,7 +164,7 @@ class FsCount:
     def __init__(self, monkeypatch, root: Path):
         self.root = str(root)
         self.n = {"stat": 0, "scandir": 0, "entries": 0, "open": 0}
-        real_stat, real_scandir, real_open = os.stat, os.scandir, io.open
+        real_stat, real_scandir, real_open, real_os_open = os.stat, os.scandir, io.open, os.open
         count = self
 
         class Listing:
@@ -194,9 +194,14 @@ class FsCount:
             self._add("open", file)
             return real_open(file, *a, **kw)
 
+        def os_open(file, *a, **kw):  # the bounded reader's one open (bounded.open_regular)
+            self._add("open", file)
+            return real_os_open(file, *a, **kw)
+
         monkeypatch.setattr(os, "stat", stat)
         monkeypatch.setattr(os, "scandir", scandir)
         monkeypatch.setattr(io, "open", open_)
+        monkeypatch.setattr(os, "open", os_open)
 
     def _add(self, what: str, path) -> None:
         if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(self.root):

@@ -30,7 +30,8 @@ def test_phases_sum_to_the_measured_total_with_concurrent_parts_not_added(tmp_pa
 
     took = []
     a, b = startup.start_together(lambda: Group(0.20, "build"), lambda: Group(0.25, "engine up"), seconds=took)
-    assert 0.19 < took[0] < 0.35 and 0.24 < took[1] < 0.40  # each group's own wall time, in order
+    # each group's own wall time, in order (at least its sleep: no upper bound, which a loaded machine breaks)
+    assert took[0] >= 0.2 and took[1] >= 0.25
     rec.mark("actors up")
     parts = startup.actor_parts(requested, a.infos, "trainer rank") + startup.actor_parts(requested, b.infos, "engine")
     rec.parts("actors up", parts, concurrent=True)
@@ -44,7 +45,7 @@ def test_phases_sum_to_the_measured_total_with_concurrent_parts_not_added(tmp_pa
     assert rec.total == pytest.approx(measured, rel=0.05)
     # started together: the phase lasts about as long as the slower group, not the sum of both
     actors = phases[1]
-    assert actors.concurrent and 0.24 < actors.seconds < 0.40
+    assert actors.concurrent and 0.25 <= actors.seconds < took[0] + took[1]
     assert sum(s for _, s in actors.parts) > actors.seconds  # the parts overlap: never added
     assert [n for n, _ in actors.parts] == ["trainer rank 0: process start", "trainer rank 0: build",
                                             "engine 0: process start", "engine 0: engine up"]
