@@ -262,3 +262,25 @@ def test_the_copy_handled_inside_the_first_handler_is_still_the_same_ctrl_c(monk
 def test_the_closing_line_says_what_was_saved(result, line):
     assert launcher_main.closing_line(result) == line
     assert launcher_main.closing_line(result, asked=True) == line.replace("stopped", "stopped on request", 1)
+
+
+def test_the_driver_starts_once_the_warm_up_imports_are_through(local_run, capsys, monkeypatch):
+    """The warm-up thread imports transformers while the head starts; a driver importing it at the same
+    time can be handed a half-initialised module by importlib's deadlock guard ("cannot import name
+    'AutoTokenizer'", seen under load). So the driver starts only after that thread ended."""
+    ended: list[float] = []
+
+    def warm():
+        def imports():
+            time.sleep(0.3)  # longer than the stand-in head start: the driver would otherwise start first
+            ended.append(time.monotonic())
+        thread = threading.Thread(target=imports, name="warm-imports", daemon=True)
+        thread.start()
+        return thread
+
+    monkeypatch.setattr(startup, "warm_imports", warm)
+    started: list[float] = []
+    code, err, out, driver, cleaned = local_run(
+        lambda where, n: started.append(time.monotonic()) if where == "driver start-up" else None, capsys)
+    assert code == 0, err + out
+    assert ended and started and started[0] >= ended[0]
