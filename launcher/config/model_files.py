@@ -21,6 +21,7 @@ message), so one cut in half is named too.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from launcher.config import bounded
@@ -44,6 +45,13 @@ def problem(path: str | Path) -> str | None:
     path = Path(path)
     if not path.is_dir():
         return f"{path} is not a directory (a local HF checkpoint is needed)"
+    try:  # a link to nothing would be skipped below as absent, and the job run without the file it was given
+        dangling = next((f for f in sorted(path.iterdir()) if f.is_symlink() and not f.exists()), None)
+    except OSError as e:
+        return f"{path}: unreadable ({e.strerror or type(e).__name__})"
+    if dangling is not None:
+        return (f"{dangling}: a link to nothing ({os.readlink(dangling)}): the file it names is missing (an "
+                f"interrupted download, or a cache moved?)")
     if not (path / "config.json").is_file():
         return f"{path} has no config.json (a local HF checkpoint is needed)"
     return _weights(path) or _tokenizer(path)

@@ -87,10 +87,12 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "dtype": "float32"}
 
 
-def _model(name: str, drop: tuple[str, ...] = (), extra: dict | None = None, cut: str | None = None):
+def _model(name: str, drop: tuple[str, ...] = (), extra: dict | None = None, cut: str | None = None,
+           links: dict | None = None):
     """A base model folder {sandbox}/models/NAME as a download leaves it: config.json, weights in
     safetensors (written with safetensors' own writer), a tokenizer; then `drop` files removed,
-    `extra` files (name -> text) added, the weight file `cut` cut short (an interrupted download)."""
+    `extra` files (name -> text) added, the weight file `cut` cut short (an interrupted download),
+    `links` (name -> target) made symlinks, as a hub cache's snapshot holds them."""
     def setup(sandbox: Path) -> None:
         import numpy as np
         from safetensors.numpy import save_file
@@ -107,6 +109,9 @@ def _model(name: str, drop: tuple[str, ...] = (), extra: dict | None = None, cut
         if cut is not None:
             data = (d / cut).read_bytes()
             (d / cut).write_bytes(data[: len(data) // 2])
+        for f, target in (links or {}).items():
+            (d / f).unlink(missing_ok=True)
+            (d / f).symlink_to(target)
     return setup
 
 
@@ -364,6 +369,10 @@ CASES = [
           ("only-config", {"drop": ("model.safetensors", "tokenizer.json")},
            " has no weights: neither model.safetensors nor model.safetensors.index.json (an interrupted download?)"),
           ("no-tokenizer", {"drop": ("tokenizer.json",)}, " has no tokenizer (tokenizer.json, tokenizer.model"),
+          ("dangling-tokenizer", {"links": {"tokenizer.json": "../../blobs/3f2a"}},
+           "/tokenizer.json: a link to nothing (../../blobs/3f2a): the file it names is missing"),
+          ("dangling-extra", {"links": {"generation_config.json": "/nonexistent/blobs/9c1d"}},
+           "/generation_config.json: a link to nothing (/nonexistent/blobs/9c1d): the file it names is missing"),
           ("cut-short", {"cut": "model.safetensors"}, "/model.safetensors: "),
           ("bin-only", {"drop": ("model.safetensors",), "extra": {"pytorch_model.bin": "x"}},
            " has no weights: neither model.safetensors nor model.safetensors.index.json (it has pytorch_model.bin"),
@@ -778,3 +787,21 @@ def test_a_dry_run_notes_what_the_model_folder_lacks(sandbox, capsys):
                      f"model.safetensors.index.json (an interrupted download?)")
     assert notes == [f"note: a submission from this machine would stop here: {error[len('error: '):]}"]
     assert not (sandbox / "runs").exists()
+
+
+def test_a_model_folder_of_links_to_whole_files_is_a_model(tmp_path):
+    """A hub cache's snapshot: every file a link into blobs/. Links that reach their file are read
+    through; only a link to nothing is refused (the cases model-dangling-*)."""
+    from launcher.config import model_files
+
+    _model("m")(tmp_path)
+    d, blobs = tmp_path / "models" / "m", tmp_path / "blobs"
+    blobs.mkdir()
+    for f in sorted(d.iterdir()):
+        (blobs / f.name).write_bytes(f.read_bytes())
+        f.unlink()
+        f.symlink_to(f"../../blobs/{f.name}")
+    assert model_files.problem(d) is None
+    (blobs / "tokenizer.json").unlink()
+    assert model_files.problem(d) == (f"{d}/tokenizer.json: a link to nothing (../../blobs/tokenizer.json): the file "
+                                      f"it names is missing (an interrupted download, or a cache moved?)")
