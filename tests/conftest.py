@@ -13,15 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from launcher.cluster.ray_node import DAEMON_ENV
+
 # Keep every test process to one thread per library: the CI machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # local_ray's too (launcher.cluster.ray_node.DAEMON_ENV)
+for _key, _value in DAEMON_ENV.items():  # local_ray's daemons get what every `ray start` of the launcher gets
+    os.environ.setdefault(_key, _value)
 
 REPO = Path(__file__).resolve().parents[1]
-_LOCAL_RAY: dict = {}  # the last test id of each stream that uses local_ray, how to start and stop it
+_LOCAL_RAY: dict = {}  # the last test id of each stream that uses local_ray; its temp dir while it runs
 _TEMP: dict = {}       # the temp dir's listing when the whole suite started
 _COUNTS: dict = {}     # where the processes the tests start are counted (tests/helpers/process_counts.py)
 
@@ -109,8 +112,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     """A test of a later stream that uses `local_ray`, in the process whose Ray stopped after an
     earlier stream (`-n 0`, or fewer workers than streams): its Ray starts again."""
-    if "local_ray" in getattr(item, "fixturenames", ()) and _LOCAL_RAY.get("start") and not _LOCAL_RAY.get("stop"):
-        _LOCAL_RAY["start"]()
+    if "local_ray" in getattr(item, "fixturenames", ()) and _LOCAL_RAY.get("made") and "temp" not in _LOCAL_RAY:
+        _start_local_ray()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -119,8 +122,8 @@ def pytest_runtest_teardown(item, nextitem):
     its Ray stops: its daemons would otherwise take a share of the two cores through the tiers
     after it, which start Rays of their own."""
     yield
-    if item.nodeid in _LOCAL_RAY.get("last", ()) and _LOCAL_RAY.get("stop"):
-        _LOCAL_RAY.pop("stop")()
+    if item.nodeid in _LOCAL_RAY.get("last", ()) and "temp" in _LOCAL_RAY:
+        _stop_local_ray()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -179,7 +182,7 @@ def local_ray():
     if not ray.is_initialized():
         _start_local_ray()
     yield ray
-    if _LOCAL_RAY.pop("stop", None):
+    if "temp" in _LOCAL_RAY:
         _stop_local_ray()
 
 
@@ -194,17 +197,17 @@ def _start_local_ray() -> None:
              object_store_memory=512 * 2**20, log_to_driver=True, _temp_dir=temp,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                                        "HF_HUB_OFFLINE": "1", "TMPDIR": f"{temp}/tmp"}})
-    _LOCAL_RAY.update(temp=temp, start=_start_local_ray, stop=_stop_local_ray)
+    _LOCAL_RAY.update(temp=temp, made=True)
 
 
 def _stop_local_ray() -> None:
-    """Called after the last test of a stream that uses local_ray (pytest_runtest_teardown)."""
+    """After the last test of a stream that uses local_ray (pytest_runtest_teardown), or at the end."""
     import shutil
 
     import ray
 
     ray.shutdown()
-    shutil.rmtree(_LOCAL_RAY.get("temp", ""), ignore_errors=True)
+    shutil.rmtree(_LOCAL_RAY.pop("temp"), ignore_errors=True)
 
 
 def ray_processes_of(job: str) -> list[str]:

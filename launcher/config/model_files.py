@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from launcher import paths
 from launcher.config import bounded
 
 INDEX = "model.safetensors.index.json"
@@ -48,7 +49,7 @@ def problem(path: str | Path) -> str | None:
     try:  # a link to nothing would be skipped below as absent, and the job run without the file it was given
         dangling = next((f for f in sorted(path.iterdir()) if f.is_symlink() and not f.exists()), None)
     except OSError as e:
-        return f"{path}: unreadable ({e.strerror or type(e).__name__})"
+        return f"{path}: unreadable ({paths.os_error_text(e)})"
     if dangling is not None:
         return (f"{dangling}: a link to nothing ({os.readlink(dangling)}): the file it names is missing (an "
                 f"interrupted download, or a cache moved?)")

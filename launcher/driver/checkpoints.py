@@ -58,9 +58,12 @@ class Checkpoint:
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with bounded.open_regular(path) as f:  # a FIFO put in a file's place must not block
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    try:
+        with bounded.open_regular(path) as f:  # a FIFO put in a file's place must not block
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except bounded.FileError as e:
+        raise CheckpointError(str(e)) from None
     return h.hexdigest()
 
 
@@ -156,11 +159,7 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{f}: missing (listed in {MANIFEST})")
         if f.stat().st_size != size:
             raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {size} (truncated?)")
-        try:
-            same = _sha256(f) == digest
-        except bounded.FileError as e:
-            raise CheckpointError(str(e)) from None
-        if not same:
+        if _sha256(f) != digest:
             raise CheckpointError(f"{f}: content differs from the manifest (modified or replaced after the save)")
     extra = sorted(str(p.relative_to(path)) for p in path.rglob("*")  # a FIFO, socket or link as much as a file
                    if (p.is_symlink() or not p.is_dir()) and p.name != MANIFEST and str(p.relative_to(path)) not in listed)

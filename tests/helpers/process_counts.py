@@ -122,11 +122,11 @@ def module_of(rec: dict, phases: dict) -> str:
     return module or test.split("::", 1)[0]
 
 
-def counts(folder: str, reports: list) -> dict[str, dict]:
-    """{module: {kind: [n, cpu s], ..., "slurm jobs": n, "cpu": s}} for every module that started a process."""
+def counts(recs: list[dict], reports: list) -> dict[str, dict]:
+    """{module: {kind: [n, cpu s], ..., "slurm jobs": n, "cpu": s}} for every module that started one of `recs`."""
     phases = _phases(reports)
     per: dict[str, dict] = defaultdict(lambda: {**{k: [0, 0.0] for k in KINDS}, "slurm jobs": set(), "cpu": 0.0})
-    for rec in records(folder):
+    for rec in recs:
         k = kind(rec)
         if k is None:
             continue
@@ -139,11 +139,11 @@ def counts(folder: str, reports: list) -> dict[str, dict]:
     return {m: {**row, "slurm jobs": len(row["slurm jobs"])} for m, row in per.items()}
 
 
-def commands(folder: str, kinds=("python", "ray worker"), n: int = 8) -> list[str]:
+def commands(recs: list[dict], kinds=("python", "ray worker"), n: int = 8) -> list[str]:
     """What the processes of `kinds` were, most CPU first: 'cpu s, count, title' (the script or
     module run, or the Ray actor's name), so that no kind is a place where minutes hide."""
     per: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for rec in records(folder):
+    for rec in recs:
         if kind(rec) in kinds:
             cmd = rec.get("cmd", [])
             title = rec.get("title", "")
@@ -162,7 +162,8 @@ def table(folder: str, reports: list, n: int = 25) -> list[str]:
     'processes/CPU seconds' of that kind. Then what the processes of no named kind were."""
     from tests.helpers.tiers import TIERS, tier_of
 
-    per = counts(folder, reports)
+    recs = records(folder)
+    per = counts(recs, reports)
     head = f"{'':44s}" + "".join(f"{c:>13s}" for c in KINDS) + f"{'slurm jobs':>11s}{'CPU s':>8s}"
 
     def line(name: str, row: dict) -> str:
@@ -180,7 +181,7 @@ def table(folder: str, reports: list, n: int = 25) -> list[str]:
     lines += [line(f"tier {t}", tiers[t]) for t in sorted(tiers, key=lambda t: TIERS.index(t) if t in TIERS else 99)]
     lines.append("")
     lines += [line(m, row) for m, row in sorted(per.items(), key=lambda kv: -kv[1]["cpu"])[:n]]
-    other = commands(folder)
+    other = commands(recs)
     if other:
         lines += ["", "the ray workers and other Python processes, most CPU first:", *other]
     return lines

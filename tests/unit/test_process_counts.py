@@ -31,7 +31,7 @@ def test_each_interpreter_writes_one_record_with_its_kind_cpu_and_test():
         assert {r["test"] for r in recs} == {SELF + " (call)"}
         assert max(r["cpu"] for r in recs) >= 1.5  # the busy one, written at its exit
         assert [process_counts.kind(r) for r in recs] == ["python"] * 3
-        per = process_counts.counts(folder, reports=[])
+        per = process_counts.counts(recs, reports=[])
         row = per["tests/unit/test_process_counts.py"]
         assert list(per) == ["tests/unit/test_process_counts.py"] and row["python"][0] == 3
         assert row["python"][1] == row["cpu"] >= 1.5 and row["slurm jobs"] == 0
