@@ -35,9 +35,13 @@ def describe(e: BaseException, ctx: JobContext, plan: plan_mod.Plan, trainers, g
     cause: BaseException | None = e
     while cause is not None and not isinstance(cause, ray.exceptions.RayActorError):
         cause = cause.__cause__ or cause.__context__
-    if cause is None and isinstance(e, ray.exceptions.RayTaskError):  # a remote call raised: its exception
+    if cause is None:  # a peer's death often reaches the driver first as the survivors' failed collective
         from workers.trainer.group import task_error_line
 
+        dead = dead_actor(ctx, plan, trainers, generators)
+        if dead:
+            return f"{dead[0]} died{doing(ctx)}: {dead[1]}{lost_node(ctx, plan)} (then: {task_error_line(e)})"
+    if cause is None and isinstance(e, ray.exceptions.RayTaskError):  # a remote call raised: its exception
         where = f" (pid {e.pid}, {e.ip})" if getattr(e, "pid", None) else ""
         # a peer's node going makes a collective fail on the ranks that survive: name the node too
         return (f"{getattr(e, 'function_name', 'a remote call')}{where} failed{doing(ctx)}: {task_error_line(e)}"
@@ -47,6 +51,31 @@ def describe(e: BaseException, ctx: JobContext, plan: plan_mod.Plan, trainers, g
         who = actor_names(ctx, plan, trainers, generators).get(getattr(cause, "actor_id", None) or "", "an actor")
         return f"{who} died{doing(ctx)}: {first}{lost_node(ctx, plan)}"
     return f"{type(e).__name__}{doing(ctx)}: {first}{lost_node(ctx, plan)}"  # e.g. TrainerGroupError
+
+
+def dead_actor(ctx: JobContext, plan: plan_mod.Plan, trainers, generators,
+               wait_s: float = 5.0) -> tuple[str, str] | None:
+    """(name, Ray's first line) of an actor of the run that is dead, else None. Each actor is asked
+    Ray's built-in `__ray_ready__`: a dead one's answer is a RayActorError as soon as Ray knows of the
+    death (its raylet notices the process go, within a second or so), an idle live one answers at once,
+    a busy one not at all (it is waited for at most `wait_s`: only on the way to an error)."""
+    import ray
+
+    actors = [*getattr(trainers, "actors", []), *getattr(generators, "actors", [])]
+    if not actors:
+        return None
+    names = actor_names(ctx, plan, trainers, generators)
+    pings = {actor.__ray_ready__.remote(): actor for actor in actors}
+    pending, deadline = list(pings), time.time() + wait_s
+    while pending and time.time() < deadline:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.ActorDiedError as err:  # not ActorUnavailableError: may come back
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                return names.get(pings[ref]._actor_id.hex(), "an actor"), first
+    return None
 
 
 def lost_node(ctx: JobContext, plan: plan_mod.Plan, wait_s: float = 5.0) -> str:
