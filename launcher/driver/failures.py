@@ -65,16 +65,21 @@ def dead_actor(ctx: JobContext, plan: plan_mod.Plan, trainers, generators,
     if not actors:
         return None
     names = actor_names(ctx, plan, trainers, generators)
-    pings = {actor.__ray_ready__.remote(): actor for actor in actors}
-    pending, deadline = list(pings), time.time() + wait_s
-    while pending and time.time() < deadline:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.ActorDiedError as err:  # not ActorUnavailableError: may come back
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-                return names.get(pings[ref]._actor_id.hex(), "an actor"), first
+    try:
+        pings = {actor.__ray_ready__.remote(): actor for actor in actors}
+        pending, deadline = list(pings), time.time() + wait_s
+        while pending and time.time() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.ActorDiedError as err:
+                    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                    return names.get(pings[ref]._actor_id.hex(), "an actor"), first
+                except Exception:  # noqa: BLE001 - unavailable (its node may be going), not known dead
+                    continue
+    except Exception:  # noqa: BLE001 - Ray itself is going (its head lost): the nodes' reports say why
+        return None
     return None
 
 

@@ -65,3 +65,27 @@ def test_with_every_rank_alive_the_failed_call_itself_is_named(tmp_path, local_r
     finally:
         for a in trainers.actors + engines.actors:
             local_ray.kill(a)
+
+
+def test_an_actor_ray_cannot_reach_is_not_named_dead(tmp_path, local_ray, monkeypatch):
+    """ActorUnavailableError (its node's raylet refuses connections: a head or node going) is not a
+    death: the failed call itself is named, never the ping's error (CI's Slurm fault test met it)."""
+    from launcher.driver import failures
+    from workers.trainer.group import TrainerGroupError
+
+    ctx, plan, trainers, engines = _run(tmp_path, local_ray)
+    real_get = local_ray.get
+
+    def unavailable(ref, *a, **k):
+        raise local_ray.exceptions.ActorUnavailableError("the actor is temporarily unavailable", b"\0" * 16)
+
+    try:
+        monkeypatch.setattr(local_ray, "get", unavailable)
+        err = TrainerGroupError("trainer rank 0 (node 10.0.0.1) failed: RuntimeError: Connection reset by peer")
+        assert failures.describe(err, ctx, plan, trainers, engines) == (
+            "TrainerGroupError during refit at step 3: trainer rank 0 (node 10.0.0.1) failed: RuntimeError: "
+            "Connection reset by peer")
+    finally:
+        monkeypatch.setattr(local_ray, "get", real_get)
+        for a in trainers.actors + engines.actors:
+            local_ray.kill(a)
