@@ -115,7 +115,7 @@ class Generators(Protocol):
     infos: list[GeneratorInfo]
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int = 16, seeds: Sequence[int] | None = None,
+                 max_tokens: int | Sequence[int] = 16, seeds: Sequence[int] | None = None,
                  ignore_eos: bool = False) -> list[Generation]: ...
     def shutdown(self) -> None: ...
 

@@ -45,6 +45,7 @@ from workers.refit.transports import BroadcastTransport, RayTransport
 EXTENSION = "workers.refit.vllm_extension.RefitWorkerExtension"
 RAY_EXECUTOR = "vllm.v1.executor.ray_executor_v2.RayExecutorV2"  # vLLM 0.32's default for backend "ray"
 UNI_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+CPU_BATCHED_TOKENS = 2048   # vLLM's default tokens of one engine step (engine_kwargs: no chunked prefill on CPU)
 _GROUP_ONLY_KEYS = ("nodes", "ranks_per_node", "engines")  # topology.generation keys the group uses
 
 
@@ -107,7 +108,13 @@ class GeneratorConfig(Vllm):
         if has_mamba_layers(self.model):
             kw["enable_prefix_caching"] = False  # see has_mamba_layers
         if self.device == "cpu":
-            kw.update(kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+            # No chunked prefill on CPU: a prompt split over two engine steps makes vLLM rewind the
+            # request's seeded generator (gpu_model_runner._bookkeeping_sync: set_offset), which a CPU
+            # generator refuses ("CPU Generator does not use offset"). It happens once a step's prompts
+            # exceed max_num_batched_tokens (2048): long prompts, or multi-turn episodes' histories.
+            # Whole prompts only, then, with a budget of at least one whole prompt.
+            kw.update(kv_cache_memory_bytes=self.kv_cache_memory_bytes, enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(self.max_model_len, CPU_BATCHED_TOKENS))
         else:
             kw.update(tensor_parallel_size=self.tensor_parallel, gpu_memory_utilization=self.gpu_memory_utilization)
         if self.enable_lora:
@@ -176,14 +183,18 @@ class VllmGenerator:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int = 16, seeds: Sequence[int] | None = None, ignore_eos: bool = False,
-                 ) -> list[Generation]:
-        """Sample one completion per prompt; seeds (one per prompt) make each request reproducible."""
+                 max_tokens: int | Sequence[int] = 16, seeds: Sequence[int] | None = None,
+                 ignore_eos: bool = False) -> list[Generation]:
+        """Sample one completion per prompt; seeds (one per prompt) make each request reproducible;
+        max_tokens: one for all, or one per prompt (a multi-turn episode's budget)."""
         from vllm import SamplingParams
 
         if seeds is not None and len(seeds) != len(prompt_token_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts")
-        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+        limits = [max_tokens] * len(prompt_token_ids) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(limits) != len(prompt_token_ids):
+            raise ValueError(f"{len(limits)} max_tokens for {len(prompt_token_ids)} prompts")
+        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=int(limits[i]), logprobs=0,
                                  ignore_eos=ignore_eos, seed=None if seeds is None else int(seeds[i]))
                   for i in range(len(prompt_token_ids))]
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]

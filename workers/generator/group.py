@@ -68,8 +68,8 @@ class GeneratorGroup:
         return len(self.actors)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int = 16, seeds: Sequence[int] | None = None, ignore_eos: bool = False,
-                 ) -> list[Generation]:
+                 max_tokens: int | Sequence[int] = 16, seeds: Sequence[int] | None = None,
+                 ignore_eos: bool = False) -> list[Generation]:
         import ray
 
         if seeds is not None and len(seeds) != len(prompt_token_ids):
@@ -78,7 +78,8 @@ class GeneratorGroup:
         for actor, part in zip(self.actors, split_evenly(len(prompt_token_ids), self.engines)):
             if part.start == part.stop:
                 continue
-            refs.append(actor.generate.remote(list(prompt_token_ids[part]), temperature, top_p, max_tokens,
+            limit = max_tokens if isinstance(max_tokens, int) else list(max_tokens[part])
+            refs.append(actor.generate.remote(list(prompt_token_ids[part]), temperature, top_p, limit,
                                               None if seeds is None else list(seeds[part]), ignore_eos))
         return [g for chunk in ray.get(refs) for g in chunk]
 
