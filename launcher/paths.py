@@ -37,6 +37,7 @@ TASK_EPILOG = "task_epilog.sh"      # srun --task-epilog of the job's step (laun
 LOGS = "logs"
 CHECKPOINTS = "checkpoints"
 REWARD_DIR = "reward"               # a reward file copied at submission
+ENV_DIR = "env"                     # environment and tool files copied at submission
 SUBMISSIONS = "submissions.jsonl"   # one line per Slurm job of the run
 FAILURES = "failures.jsonl"         # one line per failure (retry.max_restarts counts them)
 METRICS = "metrics.jsonl"

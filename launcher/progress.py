@@ -75,11 +75,11 @@ def val_reward(row: dict):
 
 def step_line(step: int, total: int, row: dict, s_per_step: float | None = None, running: bool = True) -> str:
     """`[####....] step 3/10  reward 0.412  loss +0.0123  gen_kl_error 1.2e-05  3.4 s/step  refit 0.12s  ETA 24s`
-    (the fields the row has). `s_per_step` defaults to this row's own step time; no ETA unless `running`."""
+    (the fields the row has: `turns 2.50` after the reward for multi-turn episodes). `s_per_step` defaults to this row's own step time; no ETA unless `running`."""
     sps = s_per_step if s_per_step is not None else _get(row, names.STEP_TIME)
     parts = [f"{bar(step, total)} step {step}/{total}"]
-    for label, key, fmt in (("reward", names.REWARD, ".3f"), ("loss", names.LOSS, "+.4f"),
-                            ("gen_kl_error", names.GEN_KL_ERROR, ".2e")):
+    for label, key, fmt in (("reward", names.REWARD, ".3f"), ("turns", names.EPISODE_TURNS, ".2f"),
+                            ("loss", names.LOSS, "+.4f"), ("gen_kl_error", names.GEN_KL_ERROR, ".2e")):
         if _number(row.get(key)):
             parts.append(f"{label} {float(row[key]):{fmt}}")
     val = val_reward(row)

@@ -216,8 +216,19 @@ def _rollouts(v: list) -> str | None:
         errs = s.get("reward_errors", 0)
         if isinstance(errs, bool) or not isinstance(errs, int) or errs < 0:
             return f"[{i}].rollout.reward_errors must be an integer >= 0"
+        mask = s.get("response_mask", [])
+        if not isinstance(mask, list) or (mask and (len(mask) != n or any(
+                not isinstance(row, list) or len(row) != len(ids) or any(x not in (0, 1) or isinstance(x, bool)
+                                                                         for x in row)
+                for row, ids in zip(mask, s["response_ids"])))):
+            return f"[{i}].rollout.response_mask must be empty or one 0 or 1 per response token"
+        eps = s.get("episodes", [])
+        if not isinstance(eps, list) or (eps and len(eps) != n) or any(
+                not isinstance(m, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                               or not math.isfinite(v) for v in m.values()) for m in eps):
+            return f"[{i}].rollout.episodes must be empty or one object of finite numbers per sample"
         extra = set(s) - {"prompt_ids", "response_ids", "generation_logprobs", "rewards", "texts", "truncated",
-                          "reward_errors"}
+                          "reward_errors", "response_mask", "episodes"}
         if extra:
             return f"[{i}].rollout has unknown keys {sorted(extra)}"
     return None

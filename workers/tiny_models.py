@@ -25,7 +25,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from launcher.config.schema import BUILTIN_COMMON, BUILTIN_MODELS
+from launcher.config.schema import BUILTIN_COMMON, BUILTIN_MODELS, CHAT_RECIPES
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = (
@@ -90,6 +90,7 @@ def build(out_dir: str | Path, recipe: str = "tiny_llama", seed: int = 0, init_s
     and one that finds it built meanwhile by another keeps that one (which a reader may be using).
     """
     spec = dict(spec or BUILTIN_MODELS[recipe])
+    chat = chat or recipe in CHAT_RECIPES
     stamp = {"recipe": recipe, "seed": seed, "init_std": init_std, "spec": spec}
     if chat:
         stamp["chat"] = True  # a ChatML tokenizer (make_tokenizer(chat=True))

@@ -15,7 +15,7 @@ from launcher.config import model_facts
 from launcher.config.schema import Config, ConfigError, expected  # ConfigError: the CLI's error type
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "optim", "refit", "checkpointing", "slurm")
+GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "env", "optim", "refit", "checkpointing", "slurm")
 
 
 def group_options(group: str) -> list[str]:
@@ -71,6 +71,8 @@ def compose(overrides: list[str], notes: list[str] | None = None) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(_key_of(e, overrides, "config"), _first_line(e)) from None
+    if cfg.env.fn is not None and not explicit & {"reward", "reward.fn"}:
+        cfg.reward.fn = None  # the default group's demo reward does not score an environment's episodes
     return cfg
 
 

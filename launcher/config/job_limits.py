@@ -70,21 +70,28 @@ def has_chat_template(model_dir: Path) -> bool | None:
 
 def chat_template(cfg: Config) -> list[ConfigError]:
     """data.messages_key encodes each record's messages with the tokenizer's chat template
-    (launcher.driver.data.PromptEncoder): the job refuses a tokenizer without one."""
-    if not cfg.data.messages_key or cfg.run.job != "grpo":
+    (launcher.driver.data.PromptEncoder), and env.fn renders an episode's messages with it
+    (launcher.driver.episode_tokens): the job refuses a tokenizer without one."""
+    from launcher.config.schema import CHAT_RECIPES
+
+    key = "env.fn" if cfg.env.fn is not None else "data.messages_key"
+    if not (cfg.data.messages_key or cfg.env.fn) or cfg.run.job != "grpo":
         return []
     why = None
     if cfg.data.chat_template != "auto":
         why = f"data.chat_template={cfg.data.chat_template} turns it off"
     elif cfg.model.path is None:
-        why = f"the built-in model {cfg.model.builtin} has none"
+        if cfg.model.builtin not in CHAT_RECIPES:
+            why = f"the built-in model {cfg.model.builtin} has none (model={'/'.join(CHAT_RECIPES)} has one)"
     elif has_chat_template(Path(cfg.model.path)) is False:
         why = f"the tokenizer in {cfg.model.path} has none (no chat_template in tokenizer_config.json, no " \
               f"{' or '.join(CHAT_TEMPLATE_FILES)})"
     if why is None:
         return []
-    return [ConfigError("data.messages_key", f"needs the tokenizer's chat template to encode the messages, and {why}; "
-                                             f"use data.prompt_key")]
+    if key == "env.fn":
+        return [ConfigError(key, f"needs the tokenizer's chat template to render the episodes' messages, and {why}")]
+    return [ConfigError(key, f"needs the tokenizer's chat template to encode the messages, and {why}; "
+                             f"use data.prompt_key")]
 
 
 # ------------------------------------------------------------------------------- vLLM's context

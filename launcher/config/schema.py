@@ -198,7 +198,12 @@ BUILTIN_MODELS: dict[str, dict] = {
     "tiny_qwen3_moe": dict(family="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
                            num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+    # the default model with a ChatML tokenizer and chat template (env=guess_number: an environment's
+    # messages are rendered with the chat template)
+    "tiny_llama_chat": dict(family="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
+CHAT_RECIPES = ("tiny_llama_chat",)   # built with workers.tiny_models.make_tokenizer(chat=True)
 
 
 @dataclass
@@ -386,6 +391,8 @@ class Grpo:
     dynamic_sampling: DynamicSampling = section(DynamicSampling, "DAPO dynamic sampling")
     overlong_penalty: OverlongPenalty = section(OverlongPenalty, "DAPO overlong reward shaping")
     pipeline: Pipeline = section(Pipeline, "generation of the next steps while the trainers train")
+    max_turns: int = knob(4, Range(1, 64), "model turns per episode at most (with env.fn; "
+                                           "max_total_sequence_length bounds the whole episode)")
 
 
 @dataclass
@@ -410,11 +417,24 @@ class Data:
 
 
 @dataclass
+class Env:
+    """Multi-turn episodes: an environment answers each model turn (launcher.driver.environments)."""
+
+    fn: Optional[str] = knob(None, Elsewhere("driver.environments.check", "a built-in environment or module:Class / "
+                                             "file.py:Class, or null"),
+                             "the environment class: Env(example) with first_messages() and respond(reply); null: "
+                             "one prompt, one response")
+    tools: list[str] = knob([], Elsewhere("driver.environments.check", "file.py:function or module:function each"),
+                            "functions the model may call (env.fn=tools): shown through the chat template's tools")
+
+
+@dataclass
 class Reward:
     """fn(response: str, example: dict) -> float (launcher.driver.rewards)."""
 
-    fn: str = knob("say_number", Elsewhere("driver.rewards.check", "a built-in reward or module:function / "
-                                           "file.py:function"), "the reward function")
+    fn: Optional[str] = knob("say_number", Elsewhere("driver.rewards.check", "a built-in reward or module:function / "
+                                                     "file.py:function; null only with env.fn"),
+                             "the reward function (with env.fn: of the last reply, added to the environment's)")
     timeout_s: float = knob(10.0, Range(0, 86400, lo_open=True), "seconds one reward call may take")
     workers: int = knob(2, Range(1, 1024), "reward processes")
     on_error: str = knob("zero", OneOf(("zero", "fail"), say="must be zero or fail, got {value!r}"),
@@ -593,6 +613,7 @@ class Config:
     grpo: Grpo = section(Grpo, "the GRPO algorithm (conf/grpo)")
     data: Data = section(Data, "the prompts (conf/data)")
     reward: Reward = section(Reward, "the reward function (conf/reward)")
+    env: Env = section(Env, "multi-turn environments (conf/env)")
     optim: Optim = section(Optim, "the optimizer and its schedule (conf/optim)")
     refit: Refit = section(Refit, "the weight transfer trainer -> vLLM (conf/refit)")
     checkpointing: Checkpointing = section(Checkpointing, "checkpoints and their retention (conf/checkpointing)")

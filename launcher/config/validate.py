@@ -68,7 +68,10 @@ def _paths(cfg: Config) -> list[ConfigError]:
             values["resume"] = cfg.resume
         for key in ("data.train", "data.validation"):
             values[key] = getattr(cfg.data, key.split(".")[1])
-        values["reward.fn"] = cfg.reward.fn.rpartition(":")[0] if ":" in cfg.reward.fn else None
+        for key, spec in (("reward.fn", cfg.reward.fn), ("env.fn", cfg.env.fn),
+                          *((f"env.tools[{i}]", t) for i, t in enumerate(cfg.env.tools))):
+            if spec and ":" in spec:
+                values[key] = spec.rpartition(":")[0]
         for key, v in values.items():
             if key == "run.name" and errs:
                 continue  # run.root's own problem
@@ -285,6 +288,9 @@ def _grpo_sampling(cfg: Config) -> list[ConfigError]:
     if (g.val_period or g.val_at_start) and cfg.data.validation is None:
         errs.append(ConfigError("grpo.val_period", "validation needs data.validation=PATH (or a built-in set)"))
     op = g.overlong_penalty
+    if op.enabled and cfg.env.fn is not None:
+        errs.append(ConfigError("grpo.overlong_penalty.enabled", "is for single-turn samples (a response against "
+                                                                 "max_new_tokens); env.fn runs episodes: set it false"))
     if op.buffer_tokens is not None and not 1 <= op.buffer_tokens <= g.max_new_tokens:
         errs.append(ConfigError("grpo.overlong_penalty.buffer_tokens", f"must be in [1, max_new_tokens = "
                                                                        f"{g.max_new_tokens}] or null, got {op.buffer_tokens}"))
@@ -295,12 +301,15 @@ def _data_and_reward(cfg: Config, submitting: bool) -> list[ConfigError]:
     """The prompt files and the reward function (read / imported when they exist; always when submitting)."""
     from launcher.driver import data, rewards  # torch-free; reads files with pyarrow
 
-    errs = rewards.check(cfg.reward, submitting)
+    from launcher.driver import environments
+
+    errs = rewards.check(cfg.reward, submitting) + environments.check(cfg, submitting)
     room = cfg.grpo.max_total_sequence_length - cfg.grpo.max_new_tokens
     if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens > room > 0:
         errs.append(ConfigError("data.max_prompt_tokens", f"must be at most max_total_sequence_length - "
                                                           f"max_new_tokens = {room}, got {cfg.data.max_prompt_tokens}"))
-    data_errs = data.check(cfg.data, need_answer=cfg.reward.fn in rewards.BUILTIN, submitting=submitting)
+    data_errs = data.check(cfg.data, need_answer=cfg.reward.fn in rewards.BUILTIN, submitting=submitting,
+                           need_prompt=cfg.env.fn is None)  # an environment reads what it needs itself
     # the tokenizer's chat template for data.messages_key (one of the job's limits), once the file has the field
     return errs + (data_errs or job_limits.chat_template(cfg))
 

@@ -128,8 +128,9 @@ def _check_rollouts_ahead(path: Path, info: dict, config) -> None:
             raise disagree(f"step {r['step']} holds {len(s['rewards'])} samples, its sampling settings make {rows} "
                            f"(grpo.num_prompts_per_step {g.num_prompts_per_step} x num_generations_per_prompt "
                            f"{g.num_generations_per_prompt})")
+        episodes = bool(s.get("response_mask"))  # multi-turn: the environment's tokens count too
         for p_ids, r_ids in zip(s["prompt_ids"], s["response_ids"]):
-            if len(r_ids) > g.max_new_tokens or len(p_ids) + len(r_ids) > g.max_total_sequence_length:
+            if (len(r_ids) > g.max_new_tokens and not episodes) or len(p_ids) + len(r_ids) > g.max_total_sequence_length:
                 raise disagree(f"step {r['step']} holds a sample of {len(p_ids)} + {len(r_ids)} tokens, longer than "
                                f"grpo.max_new_tokens {g.max_new_tokens} / max_total_sequence_length "
                                f"{g.max_total_sequence_length} allow")

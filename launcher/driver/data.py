@@ -15,6 +15,8 @@ met (the position still advances over them) and counted.
   (about 4% of its vocabulary qualifies); LoRA on attention learns it in a few minutes on CPU.
 - `math_add` (for real models): "what is 12 + 25 ? give only the answer ." rewarded 1 when the
   first number in the answer is the sum (the reference's smoke prompt, with random operands).
+- `guess_number`: records {low, high, secret} for the multi-turn demo (env=guess_number,
+  launcher.driver.envs.guess_number): no prompt field, the environment writes the first message.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ def _math_add(seed: int, n: int = 256) -> list[dict]:
     return out
 
 
-BUILTIN = {"say_number": _say_number, "math_add": _math_add}
+def _guess_number(seed: int) -> list[dict]:
+    return [{"low": lo, "high": lo + 9, "secret": lo + k} for lo in (10, 40, 70, 100) for k in range(10)]
+
+
+BUILTIN = {"say_number": _say_number, "math_add": _math_add, "guess_number": _guess_number}
 
 
 @dataclass(frozen=True)
@@ -94,13 +100,16 @@ def read(source: str, key: str, seed: int = 0):
     return ds
 
 
-def check_fields(ds, source: str, key: str, d: Data, need_answer: bool) -> None:
-    """Every record has the prompt (or messages) field, and the answer field when the reward needs it."""
+def check_fields(ds, source: str, key: str, d: Data, need_answer: bool, need_prompt: bool = True) -> None:
+    """Every record has the prompt (or messages) field (unless an environment makes the prompts),
+    and the answer field when the reward needs it."""
     import pyarrow.compute as pc
 
-    needed = [d.messages_key or d.prompt_key] + ([d.answer_key] if need_answer else [])
+    prompt_key = "data.messages_key" if d.messages_key else "data.prompt_key"
+    needed = ([(prompt_key, d.messages_key or d.prompt_key)] if need_prompt else []) + (
+        [("data.answer_key", d.answer_key)] if need_answer else [])
     names = ds.column_names
-    for k, name in zip(("data.messages_key" if d.messages_key else "data.prompt_key", "data.answer_key"), needed):
+    for k, name in needed:
         if name not in names:
             raise ConfigError(k, f"{source} has no field {name!r}; its fields: {', '.join(names)}")
         column = ds.data.column(name)  # the Arrow column: no Python objects
@@ -129,7 +138,7 @@ def _wrong_type(t, messages: bool) -> str | None:
     return None
 
 
-def check(d: Data, need_answer: bool, submitting: bool) -> list[ConfigError]:
+def check(d: Data, need_answer: bool, submitting: bool, need_prompt: bool = True) -> list[ConfigError]:
     """The data section's values; the files are read when they exist (always when submitting)."""
     errs = []  # chat_template: its set is the schema's (launcher.config.schema.Data)
     for key, source in (("data.train", d.train), ("data.validation", d.validation)):
@@ -142,7 +151,7 @@ def check(d: Data, need_answer: bool, submitting: bool) -> list[ConfigError]:
         if is_file_source(source) and not submitting and not Path(source).exists():
             continue  # a dry run may plan for a filesystem this machine does not see
         try:
-            check_fields(read(source, key, d.seed), source, key, d, need_answer)
+            check_fields(read(source, key, d.seed), source, key, d, need_answer, need_prompt)
         except ConfigError as e:
             errs.append(e)
     return errs
@@ -203,6 +212,15 @@ class PromptDataset:
         return [self.example(i) for i in range(len(self) if n is None else min(n, len(self)))]
 
 
+def conversation(prompt, messages, d: Data) -> list[dict]:
+    """A record's conversation: its own messages (data.messages_key) or [user: its prompt], after
+    data.system_prompt when it has no system message."""
+    msgs = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
+    if d.system_prompt and not any(m.get("role") == "system" for m in msgs):
+        msgs = [{"role": "system", "content": d.system_prompt}] + msgs
+    return msgs
+
+
 class PromptEncoder:
     """[system?, user] messages (or the record's own) through the chat template, as token ids."""
 
@@ -214,10 +232,7 @@ class PromptEncoder:
                                                    "auto); this tokenizer has none: use data.prompt_key")
 
     def messages(self, ex: Example) -> list[dict]:
-        msgs = list(ex.messages) if ex.messages is not None else [{"role": "user", "content": ex.prompt}]
-        if self.d.system_prompt and not any(m.get("role") == "system" for m in msgs):
-            msgs = [{"role": "system", "content": self.d.system_prompt}] + msgs
-        return msgs
+        return conversation(ex.prompt, ex.messages, self.d)
 
     def encode(self, ex: Example) -> list[int]:
         if self.template:
@@ -229,17 +244,19 @@ class PromptEncoder:
 
 
 class Prompts:
-    """A PromptDataset served as encoded prompts of at most `max_tokens` tokens (longer ones skipped)."""
+    """A PromptDataset served as encoded prompts of at most `max_tokens` tokens (longer ones skipped).
+    `encode` False (env.fn: an environment writes each episode's first messages): the records
+    only, each with no token ids."""
 
-    def __init__(self, dataset: PromptDataset, encoder: PromptEncoder, max_tokens: int):
-        self.dataset, self.encoder, self.max_tokens = dataset, encoder, max_tokens
+    def __init__(self, dataset: PromptDataset, encoder: PromptEncoder, max_tokens: int, encode: bool = True):
+        self.dataset, self.encoder, self.max_tokens, self.encode = dataset, encoder, max_tokens, encode
 
     def take(self, position: int, n: int) -> tuple[list[Example], list[list[int]], int, int]:
         """(examples, their token ids, the position after them, how many too-long prompts were skipped)."""
         ids: dict[int, list[int]] = {}
 
         def keep(ex: Example) -> bool:
-            ids[ex.index] = self.encoder.encode(ex)
+            ids[ex.index] = self.encoder.encode(ex) if self.encode else []
             return len(ids[ex.index]) <= self.max_tokens
 
         examples, after, skipped = self.dataset.take(position, n, keep)
@@ -250,7 +267,7 @@ class Prompts:
         kept, ids = [], []
         head = self.dataset.head(limit)
         for ex in head:
-            t = self.encoder.encode(ex)
+            t = self.encoder.encode(ex) if self.encode else []
             if len(t) <= self.max_tokens:
                 kept.append(ex)
                 ids.append(t)
@@ -265,8 +282,8 @@ def max_prompt_tokens(d: Data, max_total: int, max_new: int) -> int:
 
 
 def absolute_sources(cfg) -> None:
-    """In the config saved at submission: data files and a reward file as absolute paths (the job's
-    working directory is not the user's)."""
+    """In the config saved at submission: data files and reward, environment and tool files as
+    absolute paths (the job's working directory is not the user's)."""
     from launcher.driver.rewards import file_part
     from launcher.paths import absolute
 
@@ -274,6 +291,9 @@ def absolute_sources(cfg) -> None:
         source = getattr(cfg.data, key)
         if source is not None and is_file_source(source):
             setattr(cfg.data, key, str(absolute(source)))
-    src = file_part(cfg.reward.fn)
-    if src is not None:
-        cfg.reward.fn = f"{absolute(src)}:{cfg.reward.fn.rpartition(':')[2]}"
+    def spec(value: str | None) -> str | None:
+        src = file_part(value) if value else None
+        return f"{absolute(src)}:{value.rpartition(':')[2]}" if src is not None else value
+
+    cfg.reward.fn, cfg.env.fn = spec(cfg.reward.fn), spec(cfg.env.fn)
+    cfg.env.tools = [spec(t) for t in cfg.env.tools]

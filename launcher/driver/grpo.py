@@ -62,10 +62,13 @@ class GrpoRun:
     def __init__(self, cfg: Config, ctx: JobContext, trainers: Trainers, generators: Generators, refit: WeightSync,
                  data: RunData, rewards, stop: threading.Event | None = None, plan: plan_mod.Plan | None = None,
                  startup: Startup | None = None):
-        """rewards: launcher.driver.rewards.Rewards (score(texts, examples) -> (scores, errors))."""
+        """rewards: launcher.driver.rewards.Rewards (score(texts, examples) -> (scores, errors)), or with
+        env.fn launcher.driver.environments.Environments (the episodes' environments)."""
         self.cfg, self.ctx, self.plan = cfg, ctx, plan
         self.trainers, self.generators, self.refit = trainers, generators, refit
         self.data, self.rewards = data, rewards
+        if cfg.env.fn is not None:  # the episodes render the environments' messages with its chat template
+            rewards.tokenizer = data.prompts.encoder.tokenizer
         self.stop = stop or threading.Event()
         self.run_dir = ctx.run_dir
         self.ckpts = CheckpointManager(checkpoint_dirs(cfg, self.run_dir), cfg.checkpointing)
@@ -269,7 +272,12 @@ def run(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, stop: threading.Event
     if stop is not None and stop.is_set():
         return stopped_before_start(cfg, ctx)
     startup = Startup.since_process_start(ctx.startup)  # phases end to end, see driver.startup
-    rewards = rewards_mod.Rewards(cfg.reward, cfg.data.answer_key, ctx.run_dir)
+    if cfg.env.fn is not None:  # multi-turn episodes: the environments score them (driver.episodes)
+        from launcher.driver.environments import Environments
+
+        rewards = Environments(cfg, ctx.run_dir)
+    else:
+        rewards = rewards_mod.Rewards(cfg.reward, cfg.data.answer_key, ctx.run_dir)
     parts = Workers()
     try:
         ctx.progress["phase"] = progress.START_UP

@@ -41,6 +41,10 @@ REFIT_TENSORS = "refit/tensors"
 DROPPED_PROMPTS = "data/dropped_prompts"             # prompts longer than the limit, skipped
 REWARD_ERRORS = "reward/errors"
 TRUNCATED_FRACTION = "response/truncated_fraction"   # responses cut at grpo.max_new_tokens
+# multi-turn episodes (env.fn; launcher.driver.episodes): means over the step's episodes
+EPISODE_TURNS = "env/turns"
+EPISODE_TOKENS = "env/episode_tokens"                # every token after the prompt: the model's and the environment's
+ENV = "env/"                                         # + what the environment's respond() counts (env/tool_calls)
 # DAPO dynamic sampling (grpo.dynamic_sampling.enabled)
 KEPT_GROUPS = "dynamic_sampling/kept_groups"
 GEN_BATCHES = "dynamic_sampling/gen_batches"

@@ -275,6 +275,8 @@ def sampling_settings(cfg: Config) -> dict:
                      "num_generations_per_prompt": g.num_generations_per_prompt, "max_new_tokens": g.max_new_tokens,
                      "temperature": g.temperature, "top_p": g.top_p, "dynamic_sampling": asdict(g.dynamic_sampling)},
             "data": asdict(cfg.data), "reward": {"fn": cfg.reward.fn, "on_error": cfg.reward.on_error},
+            # multi-turn only (a single-turn run's checkpoints read as they did before env existed)
+            **({"env": {"fn": cfg.env.fn, "tools": list(cfg.env.tools), "max_turns": g.max_turns}} if cfg.env.fn else {}),
             "run": {"seed": cfg.run.seed}}
 
 

@@ -86,17 +86,25 @@ class WorkerPool:
         except EOFError:
             raise RuntimeError(f"a reward worker exited while starting (exit code {w.proc.wait()})") from None
 
-    def call_all(self, args_list: list[tuple], timeout_s: float) -> list:
+    def call_all(self, args_list: list[tuple], timeout_s: float, route: list[int] | None = None) -> list:
+        """`route[i]`: the worker (its position) that must make call i, for state a worker keeps
+        between calls (an environment's episode); None: any free worker."""
         results: list = [None] * len(args_list)
-        todo = list(range(len(args_list)))[::-1]
+        if route is None:
+            shared = list(range(len(args_list)))[::-1]
+            todo = [shared] * len(self.workers)
+        else:
+            todo = [[i for i in range(len(args_list)) if route[i] == k][::-1] for k in range(len(self.workers))]
         busy: dict[Connection, Worker] = {}
-        while todo or busy:
-            for w in self.workers:
-                if todo and w.deadline is None:
-                    w.index = todo.pop()
+        while any(todo) or busy:
+            for k, w in enumerate(self.workers):
+                if todo[k] and w.deadline is None:
+                    w.index = todo[k].pop()
                     w.deadline = time.monotonic() + timeout_s
                     w.conn.send(args_list[w.index])
                     busy[w.conn] = w
+            if not busy:
+                continue
             next_deadline = min(w.deadline for w in busy.values())
             for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
                 w = busy.pop(conn)

@@ -105,60 +105,33 @@ def file_part(spec: str) -> Path | None:
     return Path(path) if sep and path.endswith(".py") else None
 
 
-def run_copy(run_dir: Path, spec: str) -> Path:
+def run_copy(run_dir: Path, spec: str, room: str | None = None) -> Path:
+    """Where the job finds its copy of a file spec: RUN/<room>/<file name> (room: reward/ by default)."""
     from launcher import paths
 
-    return Path(run_dir) / paths.REWARD_DIR / file_part(spec).name
+    return Path(run_dir) / (room or paths.REWARD_DIR) / file_part(spec).name
 
 
-def copy_into_run(spec: str, run_dir: Path) -> None:
-    """At submission: a file reward is copied into the run directory (the job loads that copy)."""
-    src = file_part(spec)
+def copy_into_run(spec: str | None, run_dir: Path, room: str | None = None) -> None:
+    """At submission: a file spec is copied into the run directory (the job loads that copy)."""
+    src = file_part(spec) if spec else None
     if src is not None:
         from launcher import files
 
-        files.copy(src, run_copy(run_dir, spec))  # the run directory's mode
+        files.copy(src, run_copy(run_dir, spec, room))  # the run directory's mode
 
 
 def load(spec: str, answer_key: str = "answer", run_dir: Path | None = None) -> Callable[[str, dict], float]:
     """The reward callable of `spec`; ConfigError('reward.fn', ...) when it cannot be had."""
     if spec in BUILTIN:
         return functools.partial(_on_answer, BUILTIN[spec], answer_key)
-    src = file_part(spec)
-    name = spec.rpartition(":")[2]
-    if src is not None:
-        path = run_copy(run_dir, spec) if run_dir is not None and run_copy(run_dir, spec).is_file() else src
-        if not path.is_file():
-            raise ConfigError("reward.fn", f"{path}: no such file")
-        mod_name = f"_reward_file_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
-        try:
-            s = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(s)
-            sys.modules[mod_name] = module
-            s.loader.exec_module(module)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # noqa: BLE001 - the user's file (sys.exit included): what broke, in one line
-            raise ConfigError("reward.fn", f"cannot import {path}: {_what(e)}") from None
-    elif ":" in spec:
-        mod_name = spec.partition(":")[0]
-        try:
-            module = importlib.import_module(mod_name)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # noqa: BLE001 - the user's module (sys.exit included)
-            raise ConfigError("reward.fn", f"cannot import module {mod_name!r}: {_what(e)}") from None
-    else:
+    if file_part(spec) is None and ":" not in spec:
         raise ConfigError("reward.fn", f"{spec!r} is not a built-in ({', '.join(BUILTIN)}) nor "
                                        f"pkg.module:function nor path/to/file.py:function")
-    try:
-        fn = getattr(module, name, None)
-    except Exception as e:  # noqa: BLE001 - a module __getattr__ of the user's
-        raise ConfigError("reward.fn", f"{spec}: {_what(e)}") from None
-    if fn is None:
-        raise ConfigError("reward.fn", f"{spec}: the module has no {name!r}")
-    if not callable(fn):
-        raise ConfigError("reward.fn", f"{spec}: {name!r} is not callable")
+    path = run_copy(run_dir, spec) if file_part(spec) is not None and run_dir is not None and \
+        run_copy(run_dir, spec).is_file() else None
+    fn = load_callable(spec, "reward.fn", "reward", path)
+    name = spec.rpartition(":")[2]
     try:
         inspect.signature(fn).bind("response", {})
     except TypeError:
@@ -169,10 +142,54 @@ def load(spec: str, answer_key: str = "answer", run_dir: Path | None = None) -> 
     return fn
 
 
-def _what(e: BaseException) -> str:
-    """An exception of the user's code in one line (`SystemExit(3)` says it exited)."""
+def load_callable(spec: str, key: str, kind: str, path: Path | None = None) -> Callable:
+    """The callable a `path/to/file.py:function` or `pkg.module:function` spec names (the user's code for
+    `kind`, "reward" or "tool"); `path` loads another file in place of the spec's (the run directory's copy).
+    Importing catches everything the module may raise, sys.exit included (Ctrl-C still interrupts), and
+    every failure is ConfigError(key, one line)."""
+    src = file_part(spec)
+    name = spec.rpartition(":")[2]
+    if src is not None:
+        path = path or src
+        if not path.is_file():
+            raise ConfigError(key, f"{path}: no such file")
+        mod_name = f"_{kind}_file_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+        try:
+            s = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(s)
+            sys.modules[mod_name] = module
+            s.loader.exec_module(module)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the user's file (sys.exit included): what broke, in one line
+            raise ConfigError(key, f"cannot import {path}: {_what(e, kind)}") from None
+    elif ":" in spec:
+        mod_name = spec.partition(":")[0]
+        try:
+            module = importlib.import_module(mod_name)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the user's module (sys.exit included)
+            raise ConfigError(key, f"cannot import module {mod_name!r}: {_what(e, kind)}") from None
+    else:
+        raise ConfigError(key, f"{spec!r} is neither pkg.module:function nor path/to/file.py:function")
+    try:
+        fn = getattr(module, name, None)
+    except Exception as e:  # noqa: BLE001 - a module __getattr__ of the user's
+        raise ConfigError(key, f"{spec}: {_what(e, kind)}") from None
+    if fn is None:
+        raise ConfigError(key, f"{spec}: the module has no {name!r}")
+    if not callable(fn):
+        raise ConfigError(key, f"{spec}: {name!r} is not callable")
+    return fn
+
+
+def _what(e: BaseException, kind: str = "reward") -> str:
+    """An exception of the user's code in one line (`SystemExit(3)` says it exited; `kind` names whose
+    module: "reward" or "tool")."""
     if isinstance(e, SystemExit):
-        return f"it called sys.exit({e.code!r}) (SystemExit): a reward module must not exit"
+        return f"it called sys.exit({e.code!r}) (SystemExit): {'an' if kind[:1] in 'aeiou' else 'a'} {kind} module " \
+               f"must not exit"
     text = " | ".join(line.strip() for line in str(e).splitlines() if line.strip())
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
@@ -201,6 +218,8 @@ def _short(value) -> str:
 
 def check(r: Reward, submitting: bool) -> list[ConfigError]:
     errs = []  # timeout_s, workers, on_error: checked on their fields (launcher.config.schema.Reward)
+    if r.fn is None:
+        return errs  # only with env.fn (launcher.driver.environments.check)
     if r.fn == "math_verify" and importlib.util.find_spec("math_verify") is None:
         errs.append(ConfigError("reward.fn", "math_verify needs the math-verify package (pip install math-verify)"))
     src = file_part(r.fn)
@@ -216,8 +235,9 @@ def check(r: Reward, submitting: bool) -> list[ConfigError]:
 IMPORT_TIMEOUT_S = 120.0   # what importing the user's module at submission may take
 
 
-def probe(spec: str, timeout_s: float = IMPORT_TIMEOUT_S) -> ConfigError | None:
-    """`load(spec)` in a child process (`python -m launcher.driver.rewards`, with this process's cwd
+def probe(spec: str, timeout_s: float = IMPORT_TIMEOUT_S, loader: str = f"{__name__}:load",
+          key: str = "reward.fn", what: str = "a reward module") -> ConfigError | None:
+    """`loader(spec)` (`load` by default) in a child process (`python -m launcher.driver.rewards`, with this process's cwd
     and sys.path): the user's module runs its import there, so nothing it does (sys.exit,
     os._exit, a crash, a hang, a thread left running) can end or stop the launcher. The
     ConfigError `load` gives, one for a child that ended without an answer or took longer than
@@ -231,10 +251,11 @@ def probe(spec: str, timeout_s: float = IMPORT_TIMEOUT_S) -> ConfigError | None:
     proc = subprocess.Popen([sys.executable, "-m", "launcher.driver.rewards"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(json.dumps({"spec": spec, "path": sys.path}), timeout=timeout_s)
+        out, err = proc.communicate(json.dumps({"spec": spec, "path": sys.path, "loader": loader, "key": key}),
+                                    timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return ConfigError("reward.fn", f"importing {where} took more than {timeout_s:g} s (stopped): a reward module "
-                                        f"must not block at import")
+        return ConfigError(key, f"importing {where} took more than {timeout_s:g} s (stopped): {what} must not block "
+                                f"at import")
     finally:  # its process group: whatever the module started goes with it (Ctrl-C here included)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -248,9 +269,8 @@ def probe(spec: str, timeout_s: float = IMPORT_TIMEOUT_S) -> ConfigError | None:
     how = f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else \
         f"exit code {proc.returncode}"
     last = next((line.strip() for line in reversed(err.splitlines()) if line.strip()), "")
-    return ConfigError("reward.fn", f"importing {where} ended its process ({how}) before it was loaded"
-                                    f"{f' ({last[:200]})' if last else ''}: a reward module must not exit or crash "
-                                    f"at import")
+    return ConfigError(key, f"importing {where} ended its process ({how}) before it was loaded"
+                            f"{f' ({last[:200]})' if last else ''}: {what} must not exit or crash at import")
 
 
 _ANSWER = "\n@@reward-probe@@ "
@@ -267,13 +287,14 @@ def _probe_main() -> None:
     answer = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    module, _, name = request["loader"].partition(":")
     try:
-        load(request["spec"])
+        getattr(importlib.import_module(module), name)(request["spec"])
         got = None
     except ConfigError as e:
         got = [e.key, e.message]
     except BaseException as e:  # noqa: BLE001 - the module's own KeyboardInterrupt (load passes it on)
-        got = ["reward.fn", f"cannot import {file_part(request['spec']) or request['spec']}: {_what(e)}"]
+        got = [request["key"], f"cannot import {file_part(request['spec']) or request['spec']}: {_what(e)}"]
     answer.write(_ANSWER + json.dumps(got) + "\n")
     answer.flush()
     os._exit(0)

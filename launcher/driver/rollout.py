@@ -33,22 +33,30 @@ class Rollout:
     texts: list[str] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)   # stopped by max_new_tokens
     reward_errors: int = 0
+    # multi-turn episodes (launcher.driver.episodes); empty for single-turn samples
+    response_mask: list[list[int]] = field(default_factory=list)   # 1: the model's token (loss), 0: the environment's
+    episodes: list[dict] = field(default_factory=list)             # per episode: turns, tokens, the env's metrics
+
+    PER_SAMPLE = ("prompt_ids", "response_ids", "generation_logprobs", "rewards", "texts", "truncated",
+                  "response_mask", "episodes")
 
     def groups(self, n: int) -> list["Rollout"]:
         """One Rollout per prompt (its n samples)."""
-        return [Rollout(*(getattr(self, k)[i:i + n] for k in ("prompt_ids", "response_ids", "generation_logprobs",
-                                                               "rewards", "texts", "truncated")))
+        return [Rollout(**{k: getattr(self, k)[i:i + n] for k in self.PER_SAMPLE})
                 for i in range(0, len(self.rewards), n)]
 
     @staticmethod
     def join(parts: Sequence["Rollout"], reward_errors: int = 0) -> "Rollout":
-        keys = ("prompt_ids", "response_ids", "generation_logprobs", "rewards", "texts", "truncated")
-        return Rollout(*([x for p in parts for x in getattr(p, k)] for k in keys), reward_errors=reward_errors)
+        return Rollout(**{k: [x for p in parts for x in getattr(p, k)] for k in Rollout.PER_SAMPLE},
+                       reward_errors=reward_errors)
 
 
 def sample(cfg: Config, generators, prompt_ids: Sequence[list[int]], examples: Sequence, step: int, rewards,
            first_prompt: int = 0, greedy: bool = False) -> Rollout:
-    """n generations of each prompt (one, at temperature 0, when `greedy`), scored by `rewards`."""
+    """n generations of each prompt (one, at temperature 0, when `greedy`), scored by `rewards`; with
+    env.fn, n episodes of each example (`rewards`: environments.Environments, the prompts unused)."""
+    if cfg.env.fn is not None:  # launcher.driver.episodes, through the environments
+        return rewards.sample(generators, examples, step, first_prompt, greedy)
     g = cfg.grpo
     n = 1 if greedy else g.num_generations_per_prompt
     prompts, seeds, served = [], [], []
@@ -91,7 +99,7 @@ def collect(cfg: Config, generators, prompts, rewards, step: int, position: int)
     full = min(len(kept), want)
     batch = Rollout.join(kept[:want] + spare[:want - full], reward_errors=errors)
     m = {names.DROPPED_PROMPTS: skipped, names.REWARD_ERRORS: errors,
-         names.TRUNCATED_FRACTION: sum(batch.truncated) / len(batch.truncated)}
+         names.TRUNCATED_FRACTION: sum(batch.truncated) / len(batch.truncated), **episode_means(batch)}
     if g.dynamic_sampling.enabled:
         m.update({names.KEPT_GROUPS: full, names.GEN_BATCHES: r + 1, names.GENERATED_SAMPLES: generated})
     return batch, position, m
@@ -103,9 +111,16 @@ def validation(cfg: Config, generators, val, rewards, step: int) -> dict:
 
     examples, ids = val
     r = sample(cfg, generators, ids, examples, step, rewards, greedy=True)
-    return {names.VAL_REWARD: sum(r.rewards) / len(r.rewards),
+    return {**{names.VAL + k: v for k, v in episode_means(r).items()}, names.VAL_REWARD: sum(r.rewards) / len(r.rewards),
             names.VAL_ACCURACY: sum(1 for x in r.rewards if correct(x)) / len(r.rewards),
             names.VAL_REWARD_ERRORS: r.reward_errors, names.VAL_SAMPLE: r.texts[0]}
+
+
+def episode_means(r: Rollout) -> dict:
+    """Multi-turn episodes: the means over the batch of env/turns, env/episode_tokens and what the
+    environment's respond() added (launcher.driver.environments); {} for single-turn samples."""
+    keys = sorted({k for m in r.episodes for k in m})
+    return {k: sum(m.get(k, 0.0) for m in r.episodes) / len(r.episodes) for k in keys}
 
 
 def build_batch(r: Rollout, adv: list[float], pad_id: int) -> TrainerBatch:
@@ -120,7 +135,9 @@ def build_batch(r: Rollout, adv: list[float], pad_id: int) -> TrainerBatch:
     gen_lp = torch.zeros((B, T), dtype=torch.float32)
     for i, (p, s, lp) in enumerate(zip(r.prompt_ids, r.response_ids, r.generation_logprobs)):
         input_ids[i, : len(p) + len(s)] = torch.tensor(p + s, dtype=torch.long)
-        loss_mask[i, len(p): len(p) + len(s)] = 1.0
+        # a multi-turn episode's environment tokens carry no loss (response_mask 0)
+        loss_mask[i, len(p): len(p) + len(s)] = torch.tensor(r.response_mask[i], dtype=torch.float32) \
+            if r.response_mask else 1.0
         gen_lp[i, len(p): len(p) + len(s)] = torch.tensor(lp, dtype=torch.float32)
     return TrainerBatch(input_ids=input_ids, loss_mask=loss_mask, generation_logprobs=gen_lp,
                         advantages=torch.tensor(adv, dtype=torch.float32))

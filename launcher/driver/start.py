@@ -68,13 +68,15 @@ def _read_data(cfg: Config, tokenizer) -> RunData:
         if validating else None
     encoder = data.PromptEncoder(tokenizer, cfg.data)
     limit = data.max_prompt_tokens(cfg.data, cfg.grpo.max_total_sequence_length, cfg.grpo.max_new_tokens)
-    prompts = data.Prompts(dataset, encoder, limit)
+    env = cfg.env.fn is not None  # an environment writes each episode's first messages (driver.episodes)
+    prompts = data.Prompts(dataset, encoder, limit, encode=not env)
     log(f"data: {len(dataset)} training records from {cfg.data.train}"
-        + (" through the tokenizer's chat template" if encoder.template else " as plain text")
-        + f"; prompts over {limit} tokens are skipped")
+        + (f"; episodes with env.fn={cfg.env.fn}, up to {cfg.grpo.max_turns} model turns" if env else
+           (" through the tokenizer's chat template" if encoder.template else " as plain text")
+           + f"; prompts over {limit} tokens are skipped"))
     val = None
     if val_set is not None:
-        examples, ids, skipped = data.Prompts(val_set, encoder, limit).all(cfg.grpo.val_max_examples)
+        examples, ids, skipped = data.Prompts(val_set, encoder, limit, encode=not env).all(cfg.grpo.val_max_examples)
         val = (examples, ids)
         log(f"validation: {len(examples)} records from {cfg.data.validation}"
             + (f" ({skipped} longer than {limit} tokens dropped)" if skipped else ""))

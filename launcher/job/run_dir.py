@@ -182,6 +182,8 @@ def prepare(cfg: Config, raw: DictConfig, plan: plan_mod.Plan, run_dir: Path, sp
     from launcher.driver import rewards
 
     rewards.copy_into_run(cfg.reward.fn, run_dir)  # a reward file: the job loads this copy
+    for source in (cfg.env.fn, *cfg.env.tools):  # and the environment's and tools' files theirs
+        rewards.copy_into_run(source, run_dir, paths.ENV_DIR)
     config_mod.save(resolved(raw, run_dir), run_dir / paths.CONFIG)
     files.write(run_dir / paths.PLAN, plan.describe() + "\n" + memory.plan_memory(cfg, plan).describe() + "\n")
     if spec is not None:

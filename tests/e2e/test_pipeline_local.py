@@ -6,17 +6,12 @@ bitwise (as tests/e2e/test_grpo_local.py proves for the sync loop)."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import signal
 import statistics
 
 import pytest
 
-from tests.helpers.runs import Background, deterministic, launch, left_in_tmp, rows, trainer_tensors
-from tests.helpers.held_reward import HELD
-from tests.helpers.held_step import HELD_REWARD, release, wait_until
+from tests.helpers.held_step import HELD_REWARD, ctrl_c_while_held
+from tests.helpers.runs import Background, assert_same_training, launch, left_in_tmp, rows
 
 pytestmark = pytest.mark.e2e
 STEPS = 30
@@ -57,22 +52,9 @@ def test_ctrl_c_while_a_rollout_is_in_flight_then_resume_equals_the_uninterrupte
     run_a, _ = straight
     run = Background(tmp_path, *PIPELINED, *HELD_REWARD)
     # the rewards of a rollout generated ahead are held (the first scored after step 2 was logged)
-    wait_until("a rollout's rewards to be held", (run.run_dir / HELD).exists, run.ended, timeout=600)
-    os.killpg(run.proc.pid, signal.SIGINT)  # Ctrl-C: finish the step, checkpoint, stop
-    release(run.run_dir)
-    rc = run.finish(timeout=300)
-    out = "".join(run.out)
-    assert rc == 130, out[-3000:] + "".join(run.err)[-2000:]
-    k = int(re.search(r"stopped at step (\d+)/30", out).group(1))
-    info = json.loads((run.run_dir / "checkpoints" / f"step_{k}" / "training_info.json").read_text())
-    assert info["pipeline"] == {"max_lag": 1, "ahead": [k + 1]}  # the rollout in flight was kept
+    k = ctrl_c_while_held(run, STEPS)
     no_ray_left(run.job())
     assert left_in_tmp(run.job()) == []
     p = launch(tmp_path, *PIPELINED, *HELD_REWARD, "+resume=latest")
     assert f"the rollouts of step(s) {k + 1} come from the checkpoint" in p.stdout
-    run_b = run.run_dir
-    assert [deterministic(x) for x in rows(run_b)] == [deterministic(x) for x in rows(run_a)]
-    a, b = (trainer_tensors(r / "checkpoints" / f"step_{STEPS}") for r in (run_a, run_b))
-    assert sorted(a) == sorted(b) and any(".adapter." in key for key in a)
-    for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].equal(b[key]), key  # bitwise
+    assert_same_training(run_a, run.run_dir, STEPS)

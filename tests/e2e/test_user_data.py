@@ -126,5 +126,5 @@ def test_messages_need_a_chat_template_one_line(user_files, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.stderr == ("error: data.messages_key: needs the tokenizer's chat template to encode the messages, and "
-                        "the built-in model tiny_llama has none; use data.prompt_key\n")
+                        "the built-in model tiny_llama has none (model=tiny_llama_chat has one); use data.prompt_key\n")
     assert not (tmp_path / "local-tiny_llama").exists()

@@ -18,8 +18,10 @@ HOLD_AFTER_STEPS = 2
 MAX_WAIT_S = 300.0
 
 
-def reward(response: str, example: dict) -> float:
-    run = Path(__file__).resolve().parents[1]
+def hold(copy: str) -> None:
+    """In step HOLD_AFTER_STEPS + 1 and after, wait until RUN/rewards_released (or MAX_WAIT_S):
+    `copy` is the __file__ of the run's copy of the calling file (RUN/<room>/<file>)."""
+    run = Path(copy).resolve().parents[1]
     metrics = run / "metrics.jsonl"
     rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     if rows >= HOLD_AFTER_STEPS and not (run / RELEASED).exists():
@@ -29,4 +31,8 @@ def reward(response: str, example: dict) -> float:
         deadline = held.stat().st_mtime + MAX_WAIT_S
         while not (run / RELEASED).exists() and time.time() < deadline:
             time.sleep(0.05)
+
+
+def reward(response: str, example: dict) -> float:
+    hold(__file__)
     return say_number(response, example["answer"])

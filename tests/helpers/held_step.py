@@ -5,6 +5,9 @@ that step runs, on a machine of any speed (a poll for "N steps logged" can find 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,3 +41,19 @@ def wait_held(run: Path, ended: Callable[[], str | None], timeout: float) -> Non
 
 def release(run: Path) -> None:
     (run / held_reward.RELEASED).touch()
+
+
+def ctrl_c_while_held(run, max_steps: int) -> int:
+    """A pipelined `Background` run with HELD_REWARD (or held_env): Ctrl-C while a rollout generated
+    ahead is held, then release it. The run finishes its step, checkpoints it with the held rollout
+    kept, and exits 130; returns that step."""
+    wait_until("a rollout to be held", (run.run_dir / held_reward.HELD).exists, run.ended, timeout=600)
+    os.killpg(run.proc.pid, signal.SIGINT)  # Ctrl-C: finish the step, checkpoint, stop
+    release(run.run_dir)
+    rc = run.finish(timeout=300)
+    out = "".join(run.out)
+    assert rc == 130, out[-3000:] + "".join(run.err)[-2000:]
+    k = int(re.search(rf"stopped at step (\d+)/{max_steps}", out).group(1))
+    info = json.loads((run.run_dir / "checkpoints" / f"step_{k}" / "training_info.json").read_text())
+    assert info["pipeline"] == {"max_lag": 1, "ahead": [k + 1]}  # the rollout in flight was kept
+    return k

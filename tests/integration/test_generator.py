@@ -159,6 +159,19 @@ def test_per_request_seeds_make_sampling_independent_of_batch_and_engine(engines
     assert [g.token_ids for g in other] != [g.token_ids for g in first]
 
 
+def test_seeded_prompts_longer_than_one_engine_step_generate_on_cpu(engines):
+    """More prompt tokens at once than one engine step takes (CPU_BATCHED_TOKENS): with chunked
+    prefill a prompt split over two steps rewinds its seeded generator, which vLLM CPU refuses
+    ("CPU Generator does not use offset": what long multi-turn histories met); whole prompts only."""
+    from workers.generator.actor import CPU_BATCHED_TOKENS
+
+    ps = prompts(12, seed=9, length=(300, 400))
+    assert sum(map(len, ps)) > CPU_BATCHED_TOKENS
+    gens = engines.generate(ps, temperature=1.0, top_p=1.0, max_tokens=4, seeds=list(range(12)))
+    again = engines.generate(ps[:1], temperature=1.0, top_p=1.0, max_tokens=4, seeds=[0])
+    assert all(len(g.token_ids) == 4 for g in gens) and again[0].token_ids == gens[0].token_ids
+
+
 # ---------------------------------------------------------------------------- refit modes
 
 
@@ -409,6 +422,58 @@ def test_the_pipelined_loops_take_and_deliver_write_in_place(engines, trainers, 
     sync.deliver(second)
     assert_matches(greedy(engines, ps), expected)  # the second snapshot, not the trainers' newer weights
     assert engines.call("refit_storage_moved") == [[], []]
+
+
+# a user's chat template without special tokens (the tiny tokenizer's words): "role : content ." per message
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+                  "{% if add_generation_prompt %}assistant :{% endif %}")
+TWO_TURNS = """
+class Env:
+    def __init__(self, example):
+        self.turn = 0
+
+    def first_messages(self):
+        return [{"role": "user", "content": "what is 2 + 3 ?"}]
+
+    def respond(self, reply):
+        self.turn += 1
+        return {"messages": [{"role": "user", "content": "no , say the answer"}], "reward": 0.5, "done": False}
+"""
+
+
+def test_a_two_turn_episodes_model_tokens_agree_with_the_trainer(engines, trainers, model_dir, tmp_path):
+    """Real engines sample two-turn episodes (launcher.driver.episodes, the environment in a reward
+    worker): on every model token of both turns, after the environment's tokens, the trainer's
+    logprobs equal vLLM's (float32), and the environment's tokens are outside the loss mask."""
+    from transformers import AutoTokenizer
+
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
+    from launcher.driver import episodes
+    from launcher.driver.data import Example
+    from launcher.driver.environments import Environments
+    from launcher.driver.rollout import build_batch
+
+    refit_from(trainers, engines, "merged")  # the engines hold the trainers' weights
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = PLAIN_TEMPLATE
+    (tmp_path / "env.py").write_text(TWO_TURNS)
+    cfg = typed(compose([f"env.fn={tmp_path / 'env.py'}:Env", "grpo.num_generations_per_prompt=2",
+                         "grpo.max_new_tokens=6", "grpo.max_turns=2", "reward.workers=1"]))
+    envs = Environments(cfg, tmp_path / "run")
+    try:
+        r = episodes.sample(cfg, engines, envs, tok, [Example(i, {}) for i in range(2)], step=1)
+    finally:
+        envs.close()
+    assert [m["env/turns"] for m in r.episodes] == [2] * 4 and r.rewards == [1.0] * 4
+    batch = build_batch(r, [1.0, -1.0, 0.5, -0.5], tok.pad_token_id)
+    for i, (p, s) in enumerate(zip(r.prompt_ids, r.response_ids)):
+        env = [t for t, m in zip(s, r.response_mask[i]) if not m]
+        # the end of the reply's turn as the template writes it, the environment's message, the generation prompt
+        assert env == tok(" . user : no , say the answer . assistant :", add_special_tokens=False)["input_ids"]
+        assert batch["loss_mask"][i, len(p):len(p) + len(s)].sum() == sum(r.response_mask[i]) < len(s)
+    metrics = agreement_metrics(batch["generation_logprobs"], trainers.logprobs(batch), batch["loss_mask"])
+    assert metrics["gen_kl_error"] < 1e-5 and metrics["token_mult_prob_error"] < 1 + 1e-4, metrics
 
 
 @pytest.mark.parametrize("how", ["parameter", "data"])

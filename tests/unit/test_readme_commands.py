@@ -62,6 +62,9 @@ HERE = {
     "python -m launcher data.train=train.jsonl data.validation=val.jsonl data.prompt_key=question "
     "data.answer_key=solution reward.fn=my_reward.py:score grpo.val_period=5": Row("submit=false",
                                                                                   shows="nothing was run"),
+    "python -m launcher env=guess_number": Row("submit=false", shows="nothing was run"),
+    "python -m launcher env.fn=my_env.py:Env data.train=train.jsonl model.path=<instruct-checkpoint>":
+        Row("submit=false", shows="nothing was run"),
     "pip install --no-deps megatron-bridge==0.6.2": Row("not here", why="a GPU cluster's install"),
     "pip install -e .": Row("not here", why="a GPU cluster's install"),
     "python -m pytest tests/gpu -v": Row("not here", why="needs a CUDA node"),
@@ -131,12 +134,14 @@ def sandbox(tmp_path, monkeypatch, tiny_model):
     (tmp_path / "train.jsonl").write_text(readme.block_after("train.jsonl"))
     (tmp_path / "val.jsonl").write_text(readme.block_after("train.jsonl"))
     (tmp_path / "my_reward.py").write_text(readme.block_after("my_reward.py"))
+    (tmp_path / "my_env.py").write_text(readme.block_after("my_env.py"))
     return tmp_path
 
 
 def test_readme_commands_run_as_printed(sandbox, tiny_model, capsys):
     model = tiny_model("tiny_llama")
-    fill = {"<yours>": "slurm_2n", "model.path=...": f"model.path={model}"}
+    fill = {"<yours>": "slurm_2n", "model.path=...": f"model.path={model}",
+            "<instruct-checkpoint>": str(tiny_model("tiny_llama_chat"))}
     done = []
 
     def check(cmd: str, row: Row, rc: int, out: str) -> None:

@@ -38,6 +38,7 @@ ALLOWED = {
     ("tests/unit/test_peer_vectors.py", "workers/reward_manager/dapo.py"): "verl's repository",
     ("tests/unit/test_peer_vectors.py", "tests/unit/algorithms/test_grpo.py"): "NeMo RL's repository",
     ("tests/unit/test_peer_vectors.py", "tests/unit/algorithms/test_loss_functions.py"): "NeMo RL's repository",
+    ("tests/unit/test_tool_calls.py", "tests/tool_parsers/test_hermes_tool_parser.py"): "vLLM's repository",
     ("tests/unit/test_peer_vectors.py", "tests/unit/algorithms/test_utils.py"): "NeMo RL's repository",
     ("tests/unit/test_rewards.py", "tests/unit/environments/test_math_environment.py"): "NeMo RL's repository",
     ("tests/unit/test_cli_cfg_sweep.py", "tests/test_basic_sweeper.py"): "Hydra's repository",

@@ -53,6 +53,8 @@ ELSEWHERE: dict[str, tuple[tuple, Optional[str]]] = {
     "data.train": (("/no/such/prompts.jsonl",), None),
     "data.validation": (("/no/such/val.jsonl",), None),
     "reward.fn": (("no_such_module:fn",), None),
+    "env.fn": (("no_such_module:Env", "not_a_spec"), None),
+    "env.tools": ((["no_such_module:fn"],), None),
     "checkpointing.dir": (("ck%j",), None),
     "slurm.signal_delay_s": ((-1, 10**9), None),
     "slurm.setup": ((["echo 'a"],), None),

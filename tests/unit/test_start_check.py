@@ -81,7 +81,11 @@ CASES = [  # (name, overrides, setup, the start of the launcher's line after "er
     ("messages-without-a-chat-template", ["data.train={sandbox}/m.jsonl", "data.messages_key=messages",
                                           "reward.fn=exact_match"], _messages,
      "data.messages_key: needs the tokenizer's chat template to encode the messages, and the built-in model "
-     "tiny_llama has none; use data.prompt_key"),
+     "tiny_llama has none (model=tiny_llama_chat has one); use data.prompt_key"),
+    ("episodes-without-a-chat-template", ["env.fn=guess_number", "data.train=guess_number"], None,
+     "env.fn: needs the tokenizer's chat template to render the episodes' messages, and the built-in model "
+     "tiny_llama has none (model=tiny_llama_chat has one)"),
+    ("episodes", ["env=guess_number"], None, ""),
     ("resume", ["run.name=a", "+resume=step_5"], _ckpt("a", 5), ""),
     ("resume-other-lora", ["run.name=c", "+resume=step_5", "peft.alpha=64"], _ckpt("c", 5),
      "resume: {root}/c/checkpoints/step_5 was written for peft.alpha="),

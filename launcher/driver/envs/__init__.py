@@ -1,0 +1,1 @@
+"""The built-in environments of multi-turn episodes (env.fn; launcher.driver.environments)."""
