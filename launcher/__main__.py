@@ -47,6 +47,7 @@ examples:
   python -m launcher topology=slurm_3n slurm.partition=gpu
   python -m launcher topology=slurm_3n +resume=latest    # continue the run in runs/<run.name>
   python -m launcher -m topology=slurm_2n peft.dim=8,16 optim.lr=1e-4,3e-4   # a sweep: one job per point
+  python -m launcher env=guess_number                    # multi-turn episodes: the demo environment
 
 options:
   --cfg job               print the resolved run config (what config.yaml will hold) and exit

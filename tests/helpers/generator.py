@@ -30,6 +30,9 @@ class RecordingGenerator(VllmGenerator):
         """apply_refit without its prefix-cache reset: the test that proves the reset is needed."""
         return self._apply_refit(payload)
 
+    def refit_recorded_in_config(self) -> bool | None:
+        return self.llm.collective_rpc("refit_recorded_in_config")[0]
+
     def refit_storage_mark(self) -> dict:
         return self.llm.collective_rpc("refit_storage_mark")[0]
 

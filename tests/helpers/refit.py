@@ -27,6 +27,11 @@ class RecordingRefitExtension(RefitWorkerExtension):
     def refit_recorded(self) -> dict[str, torch.Tensor]:
         return dict(getattr(self, "_refit_recorded", None) or {})
 
+    def refit_recorded_in_config(self) -> bool | None:
+        """Whether the recorded refit's loader ran with this engine's config current (what vLLM's own
+        Worker.reload_weights sets, and a layer's post-load step may read); None: nothing recorded."""
+        return getattr(self, "_refit_in_config", None)
+
     def refit_rename(self, name: str | None, new_name: str | None = None) -> None:
         """Hand `name` to the model loader as `new_name` (a name the model lacks: vLLM's loader then
         fails as it would on a real mismatch); None stops."""
@@ -35,7 +40,7 @@ class RecordingRefitExtension(RefitWorkerExtension):
     def _refit_load(self, named, partial: bool) -> None:
         recorded = getattr(self, "_refit_recorded", None)
         if recorded is not None:
-            named = self._refit_recording(named, recorded)
+            named = self._refit_recording(named, recorded, self)
         renames = getattr(self, "_refit_renames", None)
         if renames:
             named = ((renames.get(name, name), tensor) for name, tensor in named)
@@ -69,9 +74,12 @@ class RecordingRefitExtension(RefitWorkerExtension):
         self._refit_plant = (name, how)
 
     @staticmethod
-    def _refit_recording(named, recorded: dict):
-        for name, tensor in named:
+    def _refit_recording(named, recorded: dict, worker):
+        from vllm.config import get_current_vllm_config_or_none
+
+        for name, tensor in named:  # consumed by the loader: the context is the reload's
             recorded[name] = tensor.detach().cpu().clone()
+            worker._refit_in_config = get_current_vllm_config_or_none() is worker.vllm_config
             yield name, tensor
 
 

@@ -215,6 +215,8 @@ def test_merged_delta_writes_bitwise_the_merged_weights(engines, trainers, model
         engines.call("refit_record", True)  # a fresh record
         delta_payload, _ = refit_from(trainers, engines, "merged_delta")
         written_delta = engines.call("refit_recorded")
+        # the loader ran inside the engine's config context, as vLLM's own Worker.reload_weights runs it
+        assert engines.call("refit_recorded_in_config") == [True, True]
     finally:
         engines.call("refit_record", False)
     via_delta = greedy(engines, ps)

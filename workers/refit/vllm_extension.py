@@ -6,7 +6,7 @@ Every name starts with `refit_` / `_refit_`: vLLM refuses an extension whose att
 with the worker's (it already has e.g. `update_weights`).
 
 Loading weights into a running engine, on CPU and cuda alike:
-`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)` (vLLM's layerwise
+`Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)` (vLLM's layerwise
 reload, model_executor/model_loader/reload/). It restores each layer's checkpoint layout, loads,
 and runs the layer's post-load processing (repacking, MoE kernel re-layout, quantization) only for
 the layers whose weights arrived, then copies the results into the original kernel tensors (CUDA
@@ -177,8 +177,10 @@ class RefitWorkerExtension:
     def _refit_load(self, named, partial: bool) -> None:
         """Only the layers `named` reaches are reloaded and re-processed (see the module docstring)."""
         cpu_shim.apply_vllm(self._refit_device().type)  # vLLM CPU's MoE reload (see there)
+        # through the Worker's own entry point: it runs the reload inside set_current_vllm_config, as
+        # a layer's post-load step may read the config (model_runner.reload_weights alone does not)
         with _quiet_partial_reload() if partial else contextlib.nullcontext():
-            self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+            self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
 
     # ------------------------------------------------------------------ merged_delta
     def _refit_merged_deltas(self, layout: wire.RefitLayout, named):
