@@ -119,6 +119,10 @@ class Topology:
                                     "GB/s (1e9 bytes/s) from trainer rank 0 to the vLLM workers, for the dry run's "
                                     "refit estimate (launcher.refit_cost); GB200 NVL72: 900 (NVLink 5 per GPU and "
                                     "direction, nodes in one NVLink domain); 50 over a 400 Gb/s InfiniBand NIC")
+    nvlink_domain_nodes: Optional[int] = knob(None, Range(1, 4096, nullable=True),
+                                              "nodes that must share one NVLink domain: sbatch --segment (a divisor "
+                                              "of nodes, job.sbatch.job_spec), NCCL_MNNVL_ENABLE=1 when above 1; "
+                                              "null: no NVLink domain across nodes")
     train: TrainRole = section(TrainRole, "the Megatron trainers' nodes and parallel layout")
     generation: GenerationRole = section(GenerationRole, "the vLLM generators' nodes and engines")
 

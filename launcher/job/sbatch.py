@@ -1,9 +1,11 @@
 """What the job asks Slurm for, in one place: submitit's parameters and the sbatch template.
 
 `job_spec(cfg, plan)` turns the config into the job's Slurm request and rejects any value
-that would break a script (newline, NUL, unbalanced quote). From that one spec come
-`submitit_parameters` (what the launcher submits), `submitit_script` (the exact text submitit
-writes, for the dry run) and `render` (sbatch/ray_job.sbatch.j2, for people who use sbatch).
+that would break a script (newline, NUL, unbalanced quote). A job on cuda takes whole nodes
+(--exclusive --mem=0); topology.nvlink_domain_nodes becomes --segment and, above one node,
+NCCL_MNNVL_ENABLE=1. From that one spec come `submitit_parameters` (what the launcher submits),
+`submitit_script` (the exact text submitit writes, for the dry run) and `render`
+(sbatch/ray_job.sbatch.j2, for people who use sbatch).
 """
 
 from __future__ import annotations
@@ -39,7 +41,19 @@ MANAGED = {
     "no-requeue": "set retry.max_restarts=0 and slurm.max_num_timeout=0",
     "wrap": "the job script is the launcher's", "container-image": "set slurm.container_image",
     "container-mounts": "set slurm.container_mounts",
+    "segment": "set topology.nvlink_domain_nodes",
 }
+# ... and, for a job that takes its nodes whole (owns_whole_nodes), the options that say so; --mem, --mem-per-cpu
+# and --mem-per-gpu exclude one another in sbatch, so the other two are the launcher's as well
+WHOLE_NODE = "a Slurm job on cuda takes whole nodes: --exclusive --mem=0"
+NOT_WITH_MEM = "a Slurm job on cuda takes whole nodes with --mem=0, which sbatch does not combine with this"
+MANAGED_WHOLE_NODE = {"exclusive": WHOLE_NODE, "mem": WHOLE_NODE, "mem-per-cpu": NOT_WITH_MEM,
+                      "mem-per-gpu": NOT_WITH_MEM}
+
+# What --segment needs of the cluster, said by the dry run and the scripts (Slurm's sbatch(1), topology.html)
+SEGMENT_NEEDS = ("--segment={n} needs Slurm >= 24.05 with TopologyPlugin=topology/block and the NVL72 racks declared "
+                 "as blocks in topology.conf (BlockName=... Nodes=...): an older sbatch refuses the option, a cluster "
+                 "without a block topology ignores it")
 
 
 @dataclass
@@ -51,8 +65,10 @@ class JobSpec:
     cpus_per_task: int | None
     time_min: int
     signal_delay_s: int
-    flags: dict[str, object] = field(default_factory=dict)   # partition, account, qos, extra_sbatch
+    flags: dict[str, object] = field(default_factory=dict)   # partition, account, qos, topology's, extra_sbatch
     setup: list[str] = field(default_factory=list)           # shell lines, run as written
+    env: dict[str, str] = field(default_factory=dict)        # exported before setup (which may override them)
+    notes: list[str] = field(default_factory=list)           # one line each, a comment in both scripts
     srun_args: list[str] = field(default_factory=list)       # argv words for srun
     python: str = sys.executable                             # one executable path
 
@@ -74,21 +90,32 @@ def _one_line(key: str, value: object) -> str:
     return text
 
 
-def managed_option(key: str) -> str | None:
-    """The launcher-managed sbatch option that `key` is or abbreviates, else None."""
+def owns_whole_nodes(cfg: Config) -> bool:
+    """Whether the job takes its nodes whole (#SBATCH --exclusive --mem=0): a Slurm job on cuda. The config
+    does not say how many GPUs a node has, so a cuda job is taken to ask for all of them."""
+    return cfg.topology.executor == "slurm" and cfg.topology.device == "cuda"
+
+
+def managed(cfg: Config) -> dict[str, str]:
+    """The sbatch options the launcher sets for `cfg`'s job, each with what to do instead."""
+    return {**MANAGED, **(MANAGED_WHOLE_NODE if owns_whole_nodes(cfg) else {})}
+
+
+def managed_option(key: str, options: dict[str, str] = MANAGED) -> str | None:
+    """The launcher-managed sbatch option (of `options`) that `key` is or abbreviates, else None."""
     k = key.replace("_", "-")
-    hits = [m for m in MANAGED if m.startswith(k)]
-    return (k if k in MANAGED else min(hits, key=len)) if hits else None
+    hits = [m for m in options if m.startswith(k)]
+    return (k if k in options else min(hits, key=len)) if hits else None
 
 
-def _extra_flag(key: str, value: object) -> tuple[str, object]:
+def _extra_flag(key: str, value: object, options: dict[str, str] = MANAGED) -> tuple[str, object]:
     where = f"slurm.extra_sbatch.{key}"
     if not _FLAG.match(str(key)):
         raise ConfigError(where, "not an sbatch long option name (lower-case letters, digits, - and _)")
-    option = managed_option(str(key))
+    option = managed_option(str(key), options)
     if option is not None:
         what = "is" if option == str(key).replace("_", "-") else f"abbreviates --{option}, which is"
-        raise ConfigError(where, f"{what} set by the launcher ({MANAGED[option]})")
+        raise ConfigError(where, f"{what} set by the launcher ({options[option]})")
     if value is True:
         return str(key).replace("_", "-"), True
     if value is False or value is None or isinstance(value, (dict, list)):
@@ -102,8 +129,24 @@ def job_spec(cfg: Config, plan: plan_mod.Plan) -> JobSpec:
     for key in ("partition", "account", "qos"):
         if getattr(s, key) is not None:
             flags[key] = _one_line(f"slurm.{key}", getattr(s, key))
+    if owns_whole_nodes(cfg):
+        flags.update(exclusive=True, mem="0")  # every core, GPU and byte of memory of each node
+    env, notes = {}, []
+    domain = cfg.topology.nvlink_domain_nodes
+    if domain is not None:
+        if domain < 1 or len(plan.nodes) % domain:
+            raise ConfigError("topology.nvlink_domain_nodes",
+                              f"must divide the job's {len(plan.nodes)} nodes (topology.nodes; sbatch --segment=N "
+                              f"allocates them in groups of N, each inside one topology block), got {domain}")
+        # topology/block: the nodes come in segments of `domain`, each segment inside one block (an NVL72 rack);
+        # different segments may land in different blocks
+        flags["segment"] = domain
+        notes.append(SEGMENT_NEEDS.format(n=domain))
+        if domain > 1:
+            env["NCCL_MNNVL_ENABLE"] = "1"  # NCCL over multi-node NVLink, or fail at init (not fall back to IB)
+    options = managed(cfg)
     for key, value in s.extra_sbatch.items():
-        name, value = _extra_flag(str(key), value)
+        name, value = _extra_flag(str(key), value, options)
         flags[name] = value
     srun_args = []
     if cfg.topology.cpus_per_node:
@@ -119,7 +162,13 @@ def job_spec(cfg: Config, plan: plan_mod.Plan) -> JobSpec:
     return JobSpec(job_name=_one_line("run.name", cfg.run.name), nodes=len(plan.nodes),
                    gpus_per_node=cfg.topology.gpus_per_node, cpus_per_task=cfg.topology.cpus_per_node,
                    time_min=s.time_min, signal_delay_s=s.signal_delay_s, flags=flags, setup=setup,
-                   srun_args=srun_args, python=python)
+                   env=env, notes=notes, srun_args=srun_args, python=python)
+
+
+def topology_lines(spec: JobSpec) -> list[str]:
+    """The shell lines both scripts run before slurm.setup (which may override them): the notes as
+    comments, then the job's environment (srun passes it to every task, Ray to every actor)."""
+    return [f"# note: {n}" for n in spec.notes] + [f"export {k}={shlex.quote(v)}" for k, v in spec.env.items()]
 
 
 def srun_args(spec: JobSpec, run_dir: Path) -> list[str]:
@@ -140,7 +189,7 @@ def task_epilog_script(spec: JobSpec, run_dir: Path) -> str:
 def submitit_parameters(spec: JobSpec, run_dir: Path) -> dict:
     """Parameters for submitit.SlurmExecutor.update_parameters (submitit quotes srun's words itself)."""
     params: dict = dict(job_name=spec.job_name, nodes=spec.nodes, ntasks_per_node=1, time=spec.time_min,
-                        signal_delay_s=spec.signal_delay_s, setup=list(spec.setup),
+                        signal_delay_s=spec.signal_delay_s, setup=[*topology_lines(spec), *spec.setup],
                         srun_args=["--kill-on-bad-exit=1", *srun_args(spec, run_dir)])
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
@@ -189,4 +238,5 @@ def render(spec: JobSpec, plan: plan_mod.Plan, run_dir: Path, header: str = "") 
         gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task, time_min=spec.time_min,
         slurm_flags=flags, signal_delay_s=spec.signal_delay_s,
         log_q=shlex.quote(str(run_dir / "logs" / "sbatch-%j.out")), setup=spec.setup,
+        topology_lines=topology_lines(spec),
         srun_args=[shlex.quote(a) for a in srun_args(spec, run_dir)], python=spec.python_q)

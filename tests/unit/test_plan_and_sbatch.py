@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config import compose as config_mod
+from launcher.config import ranges
 from launcher import plan as plan_mod
 from launcher.job import sbatch
 from launcher.config.compose import compose
@@ -84,7 +87,7 @@ def test_rendered_sbatch_matches_golden_file():
     cfg, plan = plan_of("topology=ultra_6n4g", "slurm.partition=batch", "slurm.account=llm",
                         "slurm.python=/opt/venv/bin/python", "slurm.setup=[module load cuda/12.8]",
                         "slurm.container_image=nvcr.io/nvidia/nemo-rl:latest",
-                        "slurm.container_mounts=/lustre:/lustre", "+slurm.extra_sbatch.exclusive=true")
+                        "slurm.container_mounts=/lustre:/lustre")
     text = sbatch.render(sbatch.job_spec(cfg, plan), plan, Path("/lustre/runs/ultra lora"))
     golden = GOLDEN / "ultra_6n4g.sbatch"
     if os.environ.get("UPDATE_GOLDEN"):
@@ -110,6 +113,96 @@ def test_submitit_script_is_the_same_job():
                                                            Path("/runs/x"))
 
 
+@functools.lru_cache(maxsize=None)
+def _composed(topology: str):
+    return typed(compose([f"topology={topology}"]))
+
+
+def with_(topology: str, **settings):
+    """A copy of the composed topology's config with `settings` ({"section__key": value}) set, and its plan."""
+    cfg = copy.deepcopy(_composed(topology))
+    for key, value in settings.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg, plan_mod.build(cfg.topology)
+
+
+def _sbatch_lines(text: str) -> set[str]:
+    return {line for line in text.splitlines() if line.startswith("#SBATCH --")
+            and not line.startswith(("#SBATCH --output", "#SBATCH --error", "#SBATCH --wckey"))}
+
+
+NVLINK = {"#SBATCH --segment=6", "#SBATCH --exclusive", "#SBATCH --mem=0"}
+
+
+def test_the_nvlink_domain_reaches_both_scripts_and_only_a_cuda_job_takes_whole_nodes():
+    cfg, plan = with_("ultra_6n4g")
+    spec = sbatch.job_spec(cfg, plan)
+    via_submitit, plain = sbatch.submitit_script(spec, Path("/r")), sbatch.render(spec, plan, Path("/r"))
+    assert _sbatch_lines(via_submitit) == _sbatch_lines(plain) and NVLINK <= _sbatch_lines(plain)
+    for text in (via_submitit, plain):  # before slurm.setup, which may override it
+        assert "\nexport NCCL_MNNVL_ENABLE=1\n" in text
+        assert "# note: --segment=6 needs Slurm >= 24.05 with TopologyPlugin=topology/block" in text
+    # one node per domain: --segment=1 (Slurm's blocks still apply), no multi-node NVLink for NCCL
+    spec = sbatch.job_spec(*with_("ultra_6n4g", topology__nvlink_domain_nodes=1))
+    assert spec.flags["segment"] == 1 and spec.env == {}
+    # null: no segment, still whole nodes on cuda
+    spec = sbatch.job_spec(*with_("ultra_6n4g", topology__nvlink_domain_nodes=None))
+    assert "segment" not in spec.flags and spec.flags["exclusive"] is True and spec.flags["mem"] == "0"
+    assert spec.env == {} and spec.notes == []
+    # the CPU test cluster: none of it
+    cfg, plan = with_("slurm_2n")
+    spec = sbatch.job_spec(cfg, plan)
+    text = sbatch.submitit_script(spec, Path("/r")) + sbatch.render(spec, plan, Path("/r"))
+    assert not {line.split("=")[0] for line in NVLINK} & {line.split("=")[0] for line in _sbatch_lines(text)}
+    assert "NCCL_MNNVL_ENABLE" not in text and "--segment" not in text
+
+
+def test_a_bad_nvlink_domain_is_refused_in_one_line(tmp_path, capsys):
+    from launcher.__main__ import main
+
+    rc = main(["topology=ultra_6n4g", "topology.nvlink_domain_nodes=4", "dry_run=true", f"run.root={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == ("error: topology.nvlink_domain_nodes: must divide the job's 6 nodes (topology.nodes; "
+                               "sbatch --segment=N allocates them in groups of N, each inside one topology block), "
+                               "got 4"), err
+    with pytest.raises(config_mod.ConfigError, match="^topology.nvlink_domain_nodes: must divide the job's 6 nodes"):
+        sbatch.job_spec(*with_("ultra_6n4g", topology__nvlink_domain_nodes=12))  # more than the job's nodes
+    cfg, _ = with_("ultra_6n4g", topology__nvlink_domain_nodes=0)
+    assert [str(e) for e in ranges.check(cfg)] == ["topology.nvlink_domain_nodes: must be in [1, 4096] or null, got 0"]
+
+
+@pytest.mark.parametrize("topology,key,value,refused", [
+    # the launcher's own options: one error naming the key that sets them
+    ("ultra_6n4g", "segment", 2, "is set by the launcher (set topology.nvlink_domain_nodes)"),
+    ("slurm_2n", "segment", 2, "is set by the launcher (set topology.nvlink_domain_nodes)"),
+    ("ultra_6n4g", "exclusive", True, "is set by the launcher (a Slurm job on cuda takes whole nodes: "
+                                      "--exclusive --mem=0)"),
+    ("ultra_6n4g", "exclusive", "topo", "is set by the launcher"),
+    ("ultra_6n4g", "mem", "64G", "is set by the launcher (a Slurm job on cuda takes whole nodes"),
+    ("ultra_6n4g", "me", "64G", "abbreviates --mem, which is set by the launcher"),
+    ("ultra_6n4g", "mem_per_gpu", "8G", "is set by the launcher (a Slurm job on cuda takes whole nodes with "
+                                        "--mem=0, which sbatch does not combine with this)"),
+    ("ultra_6n4g", "mem-per-cpu", "2G", "is set by the launcher (a Slurm job on cuda takes whole nodes with --mem=0"),
+    # a CPU job does not take whole nodes: these stay the user's
+    ("slurm_2n", "exclusive", True, None), ("slurm_2n", "mem", "64G", None), ("slurm_2n", "mem_per_cpu", "2G", None),
+    # options next to --segment that Slurm's topology/block reads
+    ("ultra_6n4g", "spread_segments", True, None), ("ultra_6n4g", "consolidate_segments", True, None),
+])
+def test_extra_sbatch_cannot_change_the_nvlink_or_whole_node_options(topology, key, value, refused):
+    cfg, plan = with_(topology, slurm__extra_sbatch={key: value})
+    if refused is None:
+        spec = sbatch.job_spec(cfg, plan)
+        flag = key.replace("_", "-")
+        assert spec.flags[flag] == value
+        line = f"#SBATCH --{flag}" + ("" if value is True else f"={value}")
+        assert line in sbatch.submitit_script(spec, Path("/r")) and line in sbatch.render(spec, plan, Path("/r"))
+        return
+    with pytest.raises(config_mod.ConfigError) as e:
+        sbatch.job_spec(cfg, plan)
+    assert str(e.value).startswith(f"slurm.extra_sbatch.{key}: {refused}"), str(e.value)
+
+
 def test_dry_run_is_fast_imports_no_torch_and_writes_nothing(tmp_path):
     code = ("import sys, time; t=time.time(); from launcher.__main__ import main; "
             f"rc = main(['topology=ultra_6n4g', 'dry_run=true', 'run.root={tmp_path}']); "
@@ -122,6 +215,8 @@ def test_dry_run_is_fast_imports_no_torch_and_writes_nothing(tmp_path):
     assert "IMPORTED []" in p.stdout
     assert "node 4         generation" in p.stdout
     assert "#SBATCH --nodes=6" in p.stdout and "#SBATCH --gpus-per-node=4" in p.stdout
+    assert all(line in p.stdout for line in NVLINK) and "export NCCL_MNNVL_ENABLE=1" in p.stdout
+    assert "needs Slurm >= 24.05 with TopologyPlugin=topology/block" in p.stdout  # what --segment needs
     assert "  name: ultra_6n4g" in p.stdout  # the resolved config
     assert list(tmp_path.iterdir()) == []
     print(f"dry run wall {wall:.2f}s")

@@ -68,6 +68,7 @@ ALSO_BAD = {
     "model.head_dim": (24,),          # model_rules: vLLM on CPU
     "vllm.max_model_len": (64,),      # below grpo.max_total_sequence_length (ranges._cross)
     "grpo.top_p": (0.9,),             # in (0, 1] but not 1.0 (the All's OneOf)
+    "topology.nvlink_domain_nodes": (2, 4),  # must divide the base's 3 nodes (job.sbatch.job_spec: --segment)
 }
 
 
