@@ -94,10 +94,12 @@ def init_worker(env_spec: str, tools: list[str], reward_spec: str | None, answer
     where = Path(run_dir) if run_dir else None
     try:
         cls = load(env_spec, where)
-        if env_spec == "tools":
-            from launcher.driver.tool_calls import load_tools
+        if env_spec == "tools":  # the tools and their schemas once, here: outside any call's timeout
+            from launcher.driver.tool_calls import load_tools, schema
 
-            cls = functools.partial(cls, tools=load_tools(list(tools), where), data=data)
+            functions = load_tools(list(tools), where)
+            cls = functools.partial(cls, tools=functions, data=data,
+                                    schemas=[schema(fn, name) for name, fn in functions.items()])
         _FACTORY = cls
         _REWARD = rewards.load(reward_spec, answer_key, where) if reward_spec else None
     except BaseException as e:  # noqa: BLE001 - reported on each call (the worker stays up)

@@ -57,9 +57,15 @@ class EpisodeTokens:
         if not extended.startswith(with_reply):
             raise TemplateError("the chat template renders earlier turns differently once a message follows them "
                                 "(it rewrites the conversation): it cannot run multi-turn episodes")
+        added = extended[len(with_reply):]
+        lost = [m for m in new if str(m.get("content", "")).strip() and str(m["content"]).strip() not in added]
+        if lost:  # e.g. a role the template has no branch for: the model would never see the message
+            raise TemplateError(f"the chat template does not render the environment's {lost[0].get('role')!r} "
+                                f"message (its content is not in the rendering): answer with a role the template "
+                                f"renders (user, tool, ...)")
         generated_end = self._trailing_special(reply_ids)
         tail = turn_end[len(generated_end):] if generated_end and turn_end.startswith(generated_end) else turn_end
-        return self.ids(tail + extended[len(with_reply):])
+        return self.ids(tail + added)
 
     def _trailing_special(self, reply_ids: list[int]) -> str:
         """The text of the special tokens the reply ends with (the model's end of turn), if any."""

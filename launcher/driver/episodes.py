@@ -137,8 +137,11 @@ def _environment_turn(cfg, envs, render: EpisodeTokens, e: Episode, res: tuple, 
     history = e.messages
     e.messages = history + [{"role": "assistant", "content": e.last_reply}] + messages
     room = cfg.grpo.max_total_sequence_length - e.length()
-    if done or last_turn or room <= 1:
+    if done or last_turn:
         e.done = True
+        return
+    if room <= 1:  # no room for the environment's answer and a reply: the episode ends at its budget
+        e.done, e.truncated = True, True
         return
     obs = render.after_reply(history, e.response_ids[e.reply_start:], messages)
     if len(obs) >= room:  # no room left for the model to answer: the episode ends at its budget

@@ -70,7 +70,7 @@ def run(tmp_path, records, *overrides, engine=None):
     env = tmp_path / "env.py"
     env.write_text(ENV)
     cfg = typed(compose([f"env.fn={env}:Env", "grpo.num_generations_per_prompt=2", "reward.workers=2",
-                         "reward.timeout_s=3", *overrides]))
+                         "reward.timeout_s=60", *overrides]))  # a loaded machine's worker can be slow
     envs = Environments(cfg, tmp_path / "run")
     engine = engine or ScriptedEngine()
     examples = [Example(i, r, where=f"line {i + 1} of train.jsonl") for i, r in enumerate(records)]
@@ -136,12 +136,13 @@ def test_a_truncated_reply_is_closed_as_the_template_closes_a_turn(tmp_path):
 
 @pytest.mark.parametrize("how, says", [
     ("raise", "KeyError: 'no such word'"),
-    ("sleep", "timed out after 3s (reward.timeout_s)"),
+    ("sleep", "timed out after 8s (reward.timeout_s)"),
     ("nan", "respond()['reward'] returned nan, not a finite number"),
     ("no-done", "respond()['done'] must be true or false, got None"),
 ])
 def test_an_environment_error_ends_its_episode_counted_and_logged(tmp_path, how, says):
-    r, _, _ = run(tmp_path, [{"q": "what is 2 + 3 ?", "how": how}, {"q": "what is 2 + 3 ?", "turns": 2}])
+    r, _, _ = run(tmp_path, [{"q": "what is 2 + 3 ?", "how": how}, {"q": "what is 2 + 3 ?", "turns": 2}],
+                  *(["reward.timeout_s=8"] if how == "sleep" else []))  # the environment sleeps 30 s
     if how == "sleep":  # both workers were replaced: the other record's episodes, held there, went with them
         assert r.reward_errors == 4 and r.rewards[2:] == [0.25, 0.25]
     else:
@@ -201,8 +202,9 @@ def run_tools(tmp_path, replies, *overrides):
     tok = make()  # the published Qwen2.5 chat template, tools and <tool_response> included
     (tmp_path / "tools.py").write_text(TOOLS)
     cfg = typed(compose(["env.fn=tools", f"env.tools=[{tmp_path / 'tools.py'}:add]", "reward=math_answer",
-                         "grpo.num_generations_per_prompt=2", "reward.workers=1", "grpo.max_total_sequence_length=2048",
-                         "vllm.max_model_len=2048", "grpo.max_new_tokens=64", *overrides]))
+                         "grpo.num_generations_per_prompt=2", "reward.workers=1", "reward.timeout_s=60",
+                         "grpo.max_total_sequence_length=2048", "vllm.max_model_len=2048", "grpo.max_new_tokens=64",
+                         *overrides]))
     envs = Environments(cfg, tmp_path / "run")
     engine = ScriptedTurns(tok, replies)
     try:
@@ -247,7 +249,7 @@ def test_the_readme_environment_runs_on_the_readme_records(tmp_path):
 
     (tmp_path / "my_env.py").write_text(readme.block_after("my_env.py"))
     record = json.loads(readme.block_after("train.jsonl").splitlines()[0])
-    cfg = typed(compose([f"env.fn={tmp_path / 'my_env.py'}:Env", "reward.workers=1"]))
+    cfg = typed(compose([f"env.fn={tmp_path / 'my_env.py'}:Env", "reward.workers=1", "reward.timeout_s=60"]))
     envs = Environments(cfg, tmp_path / "run")
     try:
         r = episodes.sample(cfg, ScriptedEngine(reply=str(record["solution"])), envs, TOK,

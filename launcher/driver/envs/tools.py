@@ -21,9 +21,11 @@ from launcher.driver.data import conversation
 
 
 class ToolEnv:
-    def __init__(self, example: dict, tools: dict[str, Callable], data: dict):
+    def __init__(self, example: dict, tools: dict[str, Callable], data: dict, schemas: list[dict] | None = None):
+        """`schemas`: the tools' JSON schemas, computed once per worker (launcher.driver.environments
+        .init_worker: outside any call's timeout, transformers imported there); else here."""
         self.example, self.functions, self.data = example, tools, Data(**data)
-        self.tools = [tool_calls.schema(fn, name) for name, fn in tools.items()]   # what the template shows
+        self.tools = schemas if schemas is not None else [tool_calls.schema(fn, name) for name, fn in tools.items()]
 
     def first_messages(self) -> list[dict]:
         d = self.data
