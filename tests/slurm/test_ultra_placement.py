@@ -44,9 +44,11 @@ def test_ultra_6n4g_places_16_trainers_and_the_tp8_engine_where_the_plan_says(sl
         pytest.skip(f"needs a {NODES}-node test cluster, this one has {len(slurm_cluster.nodes)} (SLURM_TEST_NODES)")
     from tests.helpers.nemotron_h import ULTRA_STAND_IN
 
-    # the test nodes have fewer cores than a GB200 node (the topology asks for 128): all of theirs
+    # the test nodes have fewer cores than a GB200 node (the topology asks for 128): all of theirs; and the
+    # test cluster's Slurm (Debian's 22.05) has no --segment (Slurm 24.05+): no NVLink domain here
     submitted = submit(tmp_path, "topology=ultra_6n4g", "run.job=placement_smoke", *ULTRA_STAND_IN,
-                       f"topology.cpus_per_node={slurm_cluster.cpus_per_node}", "logging.tensorboard=false")
+                       f"topology.cpus_per_node={slurm_cluster.cpus_per_node}", "topology.nvlink_domain_nodes=null",
+                       "logging.tensorboard=false")
     assert submitted.nodes == NODES, submitted.stdout
     job, run = submitted.id, submitted.run
     state = slurm_cluster.wait_job(job, timeout=480)

@@ -39,6 +39,11 @@ ALLOWED = {
     ("tests/unit/test_peer_vectors.py", "tests/unit/algorithms/test_grpo.py"): "NeMo RL's repository",
     ("tests/unit/test_peer_vectors.py", "tests/unit/algorithms/test_loss_functions.py"): "NeMo RL's repository",
     ("tests/unit/test_tool_calls.py", "tests/tool_parsers/test_hermes_tool_parser.py"): "vLLM's repository",
+    ("tests/unit/test_episode_conventions.py", "tests/experimental/agent_loop/test_basic_agent_loop.py"):
+        "verl's repository",
+    ("tests/unit/test_episode_conventions.py", "tests/interactions/test_gsm8k_interaction.py"): "verl's repository",
+    ("tests/unit/test_episode_conventions.py", "tests/unit/experience/test_rollouts.py"): "NeMo RL's repository",
+    ("tests/unit/test_episode_conventions.py", "tests/unit/test_envs.py"): "NeMo RL's repository",
     ("tests/unit/test_peer_vectors.py", "tests/unit/algorithms/test_utils.py"): "NeMo RL's repository",
     ("tests/unit/test_rewards.py", "tests/unit/environments/test_math_environment.py"): "NeMo RL's repository",
     ("tests/unit/test_cli_cfg_sweep.py", "tests/test_basic_sweeper.py"): "Hydra's repository",
