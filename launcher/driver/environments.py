@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 
 from launcher.config.schema import ConfigError
+from launcher.driver.rewards import _short  # the rewards' one-line repr of a user's value
 
 BUILTIN = {"guess_number": "launcher.driver.envs.guess_number:GuessNumber", "tools": "launcher.driver.envs.tools:ToolEnv"}
 
@@ -176,12 +177,6 @@ def _tools(env) -> list[dict] | None:
     from launcher.driver.tool_calls import schema
 
     return [t if isinstance(t, dict) else schema(t) for t in tools]
-
-
-def _short(value) -> str:
-    from launcher.driver.rewards import _short as short
-
-    return short(value)
 
 
 # ------------------------------------------------------------------------------------ the driver side

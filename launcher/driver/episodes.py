@@ -15,19 +15,11 @@ max_tokens is grpo.max_new_tokens, or what is left of the episode's budget when 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 from launcher.driver import metric_names as names
 from launcher.driver.episode_tokens import EpisodeTokens, TemplateError
 from launcher.driver.rollout import Rollout, request_seed
-
-
-def turn_seed(run_seed: int, step: int, prompt: int, sample: int, turn: int) -> int:
-    if turn == 0:
-        return request_seed(run_seed, step, prompt, sample)
-    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt}:{sample}:{turn}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
 
 
 @dataclass
@@ -116,7 +108,7 @@ def _model_turn(cfg, generators, eps: list[Episode], step: int, turn: int, greed
     outs = generators.generate([e.prompt_ids + e.response_ids for e in eps],
                                temperature=0.0 if greedy else g.temperature, top_p=1.0 if greedy else g.top_p,
                                max_tokens=budgets,
-                               seeds=[turn_seed(cfg.run.seed, step, e.prompt_seq, e.sample, turn) for e in eps])
+                               seeds=[request_seed(cfg.run.seed, step, e.prompt_seq, e.sample, turn) for e in eps])
     for e, o in zip(eps, outs):
         e.reply_start = len(e.response_ids)
         e.response_ids += list(o.token_ids)

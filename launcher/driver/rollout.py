@@ -17,8 +17,10 @@ from launcher.driver import metric_names as names
 from workers.contracts import TrainerBatch
 
 
-def request_seed(run_seed: int, step: int, prompt: int, sample: int) -> int:
-    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt}:{sample}".encode(), digest_size=4).digest()
+def request_seed(run_seed: int, step: int, prompt: int, sample: int, turn: int = 0) -> int:
+    """A request's seed; `turn` > 0: a later turn of a multi-turn episode (turn 0 is the single-turn seed)."""
+    key = f"{run_seed}:{step}:{prompt}:{sample}" + (f":{turn}" if turn else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
 
