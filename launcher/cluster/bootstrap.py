@@ -203,7 +203,7 @@ def _run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver, signals
         files.write_json(ctx.rendezvous / paths.HEAD, {"ip": ip, "port": port, "host": ctx.hostname})
         log(f"Ray head up at {ip}:{port} on {ctx.hostname} (job {ctx.job_id}); waiting for "
             f"{len(plan.nodes)} node(s)")
-        connect(ctx, ip, port)
+        connect(ctx, ip, port, cfg.ray.register_timeout_s)
         stop.reinstall()  # ray.init installed its own SIGTERM handler
         with progress.waiting(f"waiting for {len(plan.nodes)} node(s) to register with the Ray head", log):
             wait_for_nodes(ctx, cfg, plan)

@@ -23,22 +23,38 @@ from launcher.cluster import stop
 _log = logs.get(__name__)
 
 
-def connect(ctx: JobContext, ip: str, port: int) -> None:
-    """Connect this process (the driver) to the job's Ray cluster with the job's token."""
+def connect(ctx: JobContext, ip: str, port: int, timeout_s: float, clock=time.monotonic,
+            sleep=time.sleep) -> None:
+    """Connect this process (the driver) to the job's Ray cluster with the job's token.
+
+    `ray.init` gives up when the head's own raylet has not registered with its GCS within Ray's one
+    GCS request timeout (60 s; ray/_private/services.py get_node_to_connect_for_driver): on a busy
+    node the GCS port opens well before that. A head is not declared unreachable before
+    `ray.register_timeout_s` (`timeout_s`), the window every node of the job gets to register:
+    the driver tries again until then, saying so."""
     os.environ.update(driver_env(ctx))  # before ray is imported: Ray reads both once
     import ray
 
     from launcher.cluster import worker_setup
 
     actor_logs = str(ctx.run_dir / paths.ACTOR_LOGS)
-    try:
-        ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_setup.ENV: actor_logs},
-                              "worker_process_setup_hook": "launcher.cluster.worker_setup.setup"})
-        log(f"actor logs: {actor_logs}/<host>-pid<pid>.log")
-    except (ConnectionError, RuntimeError) as e:
-        raise ClusterError(f"the driver could not connect to the Ray head at {ip}:{port}: "
-                           f"{str(e).splitlines()[0]}") from e
+    deadline = clock() + timeout_s
+    while True:
+        try:
+            ray.init(address=f"{ip}:{port}", logging_level="WARNING", log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", worker_setup.ENV: actor_logs},
+                                  "worker_process_setup_hook": "launcher.cluster.worker_setup.setup"})
+            break
+        except (ConnectionError, RuntimeError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if ray.is_initialized():
+                ray.shutdown()
+            if clock() >= deadline:
+                raise ClusterError(f"the driver could not connect to the Ray head at {ip}:{port} in "
+                                   f"ray.register_timeout_s={timeout_s:g}: {first}") from e
+            log(f"the driver could not connect to the Ray head at {ip}:{port} yet ({first}); trying again")
+            sleep(1.0)
+    log(f"actor logs: {actor_logs}/<host>-pid<pid>.log")
 
 
 def disconnect() -> None:
