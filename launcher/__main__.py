@@ -428,8 +428,11 @@ def closing_line(result: dict, asked: bool = False) -> str:
     step, ckpt = result["step"], result.get("checkpoint", result["step"])
     how = f"stopped{' on request' if asked else ''} at step {step}"
     if ckpt is None:
-        why = "before step 1" if step == 0 else "checkpointing.enabled=false"
-        return f"{how}: nothing was saved ({why}); the same command starts the run again from step 1"
+        if step == 0:
+            return f"{how}: nothing was saved (before step 1); the same command starts the run again from step 1"
+        # its metrics rows stay: a fresh launch under this run.name is refused (launcher.job.run_dir.check)
+        return (f"{how}: nothing was saved (checkpointing.enabled=false); the same command with "
+                f"run.name=<new name> starts it again from step 1")
     if ckpt == step and result.get("saved", True):
         return f"{how} after saving a checkpoint; continue with the same command and +resume=latest"
     if ckpt == step:

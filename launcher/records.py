@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from launcher import paths
+from launcher import paths, shell
 from launcher.config import bounded, fields
 from launcher.config.schema import ConfigError, Pipeline
 
@@ -321,8 +321,8 @@ def load_config(path: Path, typed: bool = False):
     if not isinstance(plain, dict):
         raise RecordError(path, "", f"must hold a YAML mapping of config sections, got a "
                                     f"{'ListConfig' if isinstance(plain, list) else type(plain).__name__}")
-    try:
-        raw = OmegaConf.create(plain)
+    try:  # the values as saved: a `${` in one is text (shell.literal), not an interpolation to resolve again
+        raw = OmegaConf.create(shell.literal_tree(plain))
     except (OmegaConfBaseException, ValueError, TypeError) as e:
         raise RecordError(path, "", f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:80]})") from None
     if not isinstance(raw, DictConfig):

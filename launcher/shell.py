@@ -28,18 +28,45 @@ def assignment(name: str, value: object) -> str:
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_./+-]+$")
 _BEFORE_QUOTE = re.compile(r"(\\+)(?='|$)")   # backslashes Hydra reads as escapes: before a quote or at the end
+_INTERPOLATION = re.compile(r"(\\*)\$\{")      # `${` and the backslashes right before it
+
+
+def literal(text: str) -> str:
+    """`text` as an OmegaConf string value that resolves to `text` itself, never to an interpolation.
+
+    OmegaConf reads a string holding `${` with its grammar, and there only a `${` and the backslashes
+    right before it are special: n backslashes then `${` are written as 2n+1 backslashes then `${`
+    (`${x}` -> `\\${x}`, `a\\${x}` -> `a\\\\\\${x}`); every other character, backslashes included, reads as
+    itself. A string without `${` is never parsed: it is its own literal. Used wherever a resolved
+    value goes back into a config (launcher.config.compose.compose, launcher.records.load_config)
+    and by `override` below."""
+    return _INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", text) if "${" in text else text
+
+
+def literal_tree(obj: object) -> object:
+    """A plain (resolved) container with every string made `literal`: `OmegaConf.create` of it holds
+    the same values, where `OmegaConf.create` of `obj` itself would resolve each `${...}` again."""
+    if isinstance(obj, str):
+        return literal(obj)
+    if isinstance(obj, dict):
+        return {k: literal_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [literal_tree(v) for v in obj]
+    return obj
 
 
 def override(key: str, value: object) -> str:
     """`key=value` as a Hydra override to paste onto a command line: one shell word. A value that is
-    not a plain word (or reads as null, a boolean or a number) is put in Hydra's single quotes, its
-    quotes, the backslashes before them and `${` escaped, so Hydra and OmegaConf give back the value
-    itself. A hint that names a value read from a file (a run's checkpointing.dir) is built here."""
+    not a plain word (or reads as null, a boolean or a number) is made `literal` for OmegaConf first
+    (its `${` escaped, with the backslashes before them), then put in Hydra's single quotes, its
+    quotes and the backslashes before them or at its end doubled, so Hydra's parser and then
+    OmegaConf's resolution give back the value itself (tests/unit/test_override_round_trip.py). A
+    hint that names a value read from a file (a run's checkpointing.dir) is built here."""
     if value is None:
         return shlex.quote(f"{key}=null")
     text = str(value)
     if not _PLAIN.match(text) or text.lower() in ("null", "true", "false") or _number(text):
-        text = _BEFORE_QUOTE.sub(lambda m: m.group(1) * 2, text).replace("'", "\\'").replace("${", "\\${")
+        text = _BEFORE_QUOTE.sub(lambda m: m.group(1) * 2, literal(text)).replace("'", "\\'")
         text = f"'{text}'"
     return shlex.quote(f"{key}={text}")
 

@@ -3,7 +3,8 @@
 For each run: its Slurm job and state (squeue while the controller lists it, then sacct), attempts
 (Slurm's restart count) and failures (failures.jsonl), step / max_num_steps, the last reward and
 validation reward, seconds per step and an ETA, the newest complete checkpoint, the last failure
-line and where the logs are. A run of the local topology is read from its run directory alone.
+line and where the logs are. A run of the local topology is read from its run directory alone
+(running while its process holds the lock on RUN/.in_use).
 With key=value overrides (`run.name=NAME`, `topology=slurm_3n ...`) the run directory is the one
 the launcher would use; with nothing, every run under run.root.
 """
@@ -11,7 +12,6 @@ the launcher would use; with nothing, every run under run.root.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -34,18 +34,36 @@ def jsonl(path: Path) -> list[dict]:
     return bounded.jsonl_objects(path)
 
 
-def _alive(pid: int) -> bool:
+def in_use(run_dir: Path) -> bool:
+    """Whether a process holds the lock on RUN/.in_use: a local run holds it (exclusive) for its whole
+    life (launcher.job.run_dir.hold) and the kernel lets it go however the process ends, so it says
+    "running" where a pid cannot (a pid of an ended run may now be any other process). Tried with a
+    shared non-blocking flock, released at once; the file is opened read-only, never created (status
+    writes nothing). A .in_use that is not a regular file, or cannot be opened or locked, is one line."""
+    import fcntl
+
+    from launcher.config import bounded
+
+    path = run_dir / paths.IN_USE
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        f = bounded.open_regular(path)  # without blocking: a FIFO there is named, not waited on
+    except bounded.FileMissing:
+        return False  # no local run has held this directory
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError as e:  # ENOLCK: a filesystem without locks
+            raise bounded.FileError(path, "", f"cannot be locked ({paths.os_error_text(e)})") from None
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return False
 
 
 def local_job(run_dir: Path) -> dict:
-    """A local run's state from its newest rendezvous folder ray/local-<pid>.<attempt>/."""
+    """A local run's state from its newest rendezvous folder ray/local-<pid>.<attempt>/: its `done`
+    record, else RUNNING while a process holds RUN/.in_use (in_use), else ENDED. The pid in the
+    folder's name is only the job's id: whether that pid lives says nothing (it may be reused)."""
     dirs = sorted((run_dir / paths.RENDEZVOUS).glob("local-*.*"), key=lambda p: p.stat().st_mtime)
     if not dirs:
         return {"job_id": None, "state": "NOT STARTED", "reason": "", "restarts": 0, "source": "run dir"}
@@ -54,10 +72,10 @@ def local_job(run_dir: Path) -> dict:
     done = newest / paths.DONE
     if done.is_file():
         state = "COMPLETED" if records.load(done, records.DONE)["ok"] else "FAILED"
-    elif _alive(int(job_id.split("-", 1)[1])):
+    elif in_use(run_dir):
         state = "RUNNING"
     else:
-        state = "ENDED"  # the process is gone without writing `done` (killed)
+        state = "ENDED"  # the process let its lock go without writing `done` (killed)
     return {"job_id": job_id, "state": state, "reason": "", "restarts": int(attempt or 0), "source": "run dir"}
 
 

@@ -6,7 +6,8 @@ a key given again replaces its earlier values, sweep or not, and keeps its first
 (`a=1,2 a=3` is one point, `a=1,2 b=x a=3,4` two with a first). The points are the cartesian
 product of the keys' values (`a=1,2`, `choice(...)`, `range(...)`, `glob(...)` over a config group's
 options), in that order, each written as Hydra writes it (`optim.lr=1e-4` -> `optim.lr=0.0001`).
-`interval()` needs a sampling sweeper: refused.
+`interval()` needs a sampling sweeper: refused. The number of points is worked out before any value
+is built (`size`) and compared with `--max-points` first.
 
 Each point's run is named `<its run.name>-<swept values>` (`slurm_2n-tiny_llama-dim8-lr1e-4`):
 a name the run-name rule allows (launcher.paths.safe_name), unique within the sweep. Names are seen
@@ -79,40 +80,115 @@ def sweep_override(overrides: list[str]) -> str | None:
 
 def expand(overrides: list[str], max_points: int = MAX_POINTS) -> list[Point]:
     """The sweep's points; ConfigError naming the override for anything Hydra cannot enumerate,
-    or when there are more than `max_points` points."""
-    from hydra.core.override_parser.types import Glob
+    or when there are more than `max_points` points.
 
-    axes: dict[str, tuple[list[str], bool]] = {}   # key -> (its values as overrides, swept); first place kept
+    Every swept key's number of values is known before any of them is built (`size`: a range's by
+    arithmetic, a choice's list, a glob's filtered group options), and their product is compared
+    with `max_points` first: `grpo.seed=range(0,1000000000000)` is refused in one line, never
+    enumerated."""
+    last: dict = {}   # key -> its last override; a key keeps its first place (dicts keep insertion order)
+    sizes: dict[str, int] = {}   # swept key -> its number of values
     for o in _parse(overrides):
         key = o.get_key_element()
-        if not o.is_sweep_override():
+        last[key] = o
+        sizes.pop(key, None)
+        if o.is_sweep_override():   # every sweep written is checked, a replaced one too
+            sizes[key] = size(o, max_points)
+            if sizes[key] == 0:
+                raise ConfigError(o.input_line, "this sweep has no values")
+    _check_count([sizes[k] for k in last if k in sizes], max_points)
+    axes: dict[str, tuple[list[str], bool]] = {}   # key -> (its values as overrides, swept)
+    for key, o in last.items():
+        if key not in sizes:
             axes[key] = ([f"{key}={o.get_value_element_as_str()}"], False)
             continue
-        if o.is_interval_sweep():
-            raise ConfigError(o.input_line, "interval() needs a sampling sweeper; list the values "
-                                            "(a=1,2,3) or use range(start,stop,step)")
-        if isinstance(o.value(), Glob):
-            group = o.key_or_group
-            if group not in config_mod.GROUPS:
-                raise ConfigError(o.input_line, f"glob() sweeps the options of a config group "
-                                                f"({', '.join(config_mod.GROUPS)}); {group} is not one")
-            values = o.value().filter(config_mod.group_options(group))
-        else:
-            values = list(o.sweep_string_iterator())
-        if not values:
-            raise ConfigError(o.input_line, "this sweep has no values")
+        values = _values(o, sizes[key])
+        if len(values) != sizes[key]:   # not expected (size steps a float range's own iterator): checked anyway
+            sizes[key] = len(values)
+            _check_count([sizes[k] for k in last if k in sizes], max_points)
         axes[key] = ([f"{key}={v}" for v in values], True)
-    count = math.prod(len(v) for v, _ in axes.values())
-    if count > max_points:
-        sizes = " x ".join(str(len(v)) for v, swept in axes.values() if swept)
-        raise ConfigError("-m", f"the sweep has {count} points ({sizes}); the limit is {max_points} "
-                                f"(raise it with --max-points={count})")
     points = []
     for i, combo in enumerate(itertools.product(*(v for v, _ in axes.values()))):
         swept = [(key, line[len(key) + 1:]) for (key, (_, s)), line in zip(axes.items(), combo) if s]
         choices = [values.index(line) for (values, s), line in zip(axes.values(), combo) if s]
         points.append(Point(i, list(combo), swept, choices=choices))
     return points
+
+
+def size(o, limit: int = MAX_POINTS) -> int:
+    """How many values the sweep override `o` has, without building them; ConfigError (naming the
+    override) for a sweep Hydra cannot enumerate.
+
+    range(start, stop, step) iterates as Hydra's RangeSweep does: Python's range when all three are
+    integers, else Hydra's FloatRange (start, start+step, ... while < stop, or > stop for a negative
+    step): ceil((stop - start) / step) values, none when that is not positive, computed with the
+    numbers' exact values (Fraction). FloatRange adds in Decimal rounded to 28 digits, so on an exact
+    boundary (range(0,1/3,1/3)) it may take one value more or fewer: a float range of at most
+    `limit` + 1 values is counted by stepping Hydra's own iterator (no list is built, at most that
+    many + 2 steps); a longer one is over the limit whichever way it rounds. A zero step, NaN or an
+    infinite bound is refused (Python's range raises, FloatRange raises or never ends). choice()
+    and a=1,2 are lists already; glob() filters the config group's options (a few files)."""
+    from fractions import Fraction
+
+    from hydra.core.override_parser.types import ChoiceSweep, Glob, RangeSweep
+
+    if o.is_interval_sweep():
+        raise ConfigError(o.input_line, "interval() needs a sampling sweeper; list the values "
+                                        "(a=1,2,3) or use range(start,stop,step)")
+    value = o.value()
+    if isinstance(value, Glob):
+        return len(_glob_values(o))
+    if isinstance(value, ChoiceSweep):
+        return len(value.list)
+    if isinstance(value, list):
+        return len(value)
+    if not isinstance(value, RangeSweep):
+        raise ConfigError(o.input_line, "not a sweep this launcher enumerates (a=1,2, choice, range or glob)")
+    bounds = (value.start, value.stop, value.step)
+    if not all(isinstance(b, (int, float)) and math.isfinite(b) for b in bounds):
+        raise ConfigError(o.input_line, "range(start, stop, step) needs finite numbers, got "
+                                        f"range({', '.join(str(b) for b in bounds)})")
+    if value.step == 0:
+        raise ConfigError(o.input_line, "range(start, stop, step) needs a step other than 0")
+    start, stop, step = (Fraction(b) for b in bounds)
+    exact = max(0, math.ceil((stop - start) / step))
+    if isinstance(value.range(), range) or exact > limit + 1:
+        return exact
+    return sum(1 for _ in itertools.islice(value.range(), exact + 2))
+
+
+def _values(o, count: int) -> list[str]:
+    """The sweep's values as Hydra writes them; at most `count` + 1 are built (a float range's
+    Decimal arithmetic may give one more or one fewer than the exact count)."""
+    from hydra.core.override_parser.types import Glob
+
+    if isinstance(o.value(), Glob):
+        return _glob_values(o)
+    return list(itertools.islice(o.sweep_string_iterator(), count + 1))
+
+
+def _glob_values(o) -> list[str]:
+    group = o.key_or_group
+    if group not in config_mod.GROUPS:
+        raise ConfigError(o.input_line, f"glob() sweeps the options of a config group "
+                                        f"({', '.join(config_mod.GROUPS)}); {group} is not one")
+    return o.value().filter(config_mod.group_options(group))
+
+
+def _check_count(sizes: list[int], max_points: int) -> None:
+    """ConfigError when the product of the swept keys' sizes is over `max_points`."""
+    count = math.prod(sizes)
+    if count > max_points:
+        raise_it = f" (raise it with --max-points={count})" if count < _EXACT else ""
+        raise ConfigError("-m", f"the sweep has {_number(count)} points ({' x '.join(_number(n) for n in sizes)}); "
+                                f"the limit is {max_points}{raise_it}")
+
+
+_EXACT = 10 ** 30   # counts from here on are written as a power of ten (a str of 4300+ digits is an error)
+
+
+def _number(n: int) -> str:
+    return str(n) if n < _EXACT else f"about 10^{int(n.bit_length() * math.log10(2))}"
 
 
 def run_name(base: str, point: Point) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import Container, DictConfig, OmegaConf
 
 from launcher.config import model_facts
 from launcher.config.schema import Config, ConfigError, expected  # ConfigError: the CLI's error type
@@ -68,12 +68,48 @@ def compose(overrides: list[str], notes: list[str] | None = None) -> DictConfig:
     if notes is not None:
         notes.extend(found)
     try:
-        OmegaConf.resolve(cfg)
+        resolve(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(_key_of(e, overrides, "config"), _first_line(e)) from None
     if cfg.env.fn is not None and not explicit & {"reward", "reward.fn"}:
         cfg.reward.fn = None  # the default group's demo reward does not score an environment's episodes
     return cfg
+
+
+def resolve(cfg: Container) -> None:
+    """Every interpolation of `cfg` resolved in place, each string it gives stored as its
+    shell.literal, so that reading the key (or to_yaml, to_container with resolve=True) gives that
+    string once more and not a second resolution of it.
+
+    OmegaConf.resolve stores the resolved string itself: `'\\${oc.env:HOME}'` (an escaped, literal
+    `${`) became the value `${oc.env:HOME}`, which every later read resolved again (to `/root`), as
+    did a key interpolating it (`${run.root}/x`), and `\\${y` did not parse at all once resolved.
+    This is OmegaConf's own walk (omegaconf._impl._resolve) with that one difference."""
+    from omegaconf import MISSING, ListConfig, ValueNode
+    from omegaconf._utils import _get_value
+    from omegaconf.errors import InterpolationToMissingValueError
+
+    from launcher.shell import literal
+
+    for key in range(len(cfg)) if isinstance(cfg, ListConfig) else list(cfg.keys()):
+        node = cfg._get_child(key)
+        if node._is_interpolation():
+            try:
+                found = node._dereference_node()
+            except InterpolationToMissingValueError:
+                node._set_value(MISSING)
+                continue
+            if isinstance(found, Container):
+                resolve(found)
+                if isinstance(node, ValueNode):
+                    cfg[key] = found
+                else:
+                    node._set_value(_get_value(found))
+            else:
+                value = _get_value(found)
+                node._set_value(literal(value) if isinstance(value, str) else value)
+        elif isinstance(node, Container):
+            resolve(node)
 
 
 def _key_of(e: Exception, overrides: list[str], default: str) -> str:

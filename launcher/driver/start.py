@@ -13,8 +13,6 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from omegaconf import OmegaConf
-
 from launcher import logs, paths
 from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext
@@ -101,7 +99,9 @@ def start(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, startup: Startup, i
         raise StepFailed(str(e)) from None
     into.data = read_data(cfg, AutoTokenizer.from_pretrained(str(model_dir)))
     startup.mark("model files ready (+ tokenizer)")
-    plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    # the typed config as plain data, not through OmegaConf: a value's `${` text (resolved at submission,
+    # launcher.config.compose.resolve) would be read as an interpolation again
+    plain = dataclasses.asdict(cfg)
     log(f"model {cfg.model.name} at {model_dir}; starting {plan.train_world} trainer rank(s) and "
         f"{plan.engines} vLLM engine(s)")
     train_cfg = TrainerConfig.from_run_config(plain, str(model_dir))

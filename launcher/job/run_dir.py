@@ -1,8 +1,8 @@
 """The run directory: where a run's config, plan, scripts, logs, checkpoints and metrics live.
 
 `<run.root>/<run.name>/` on a filesystem every node sees. It is stable across submissions so that
-`+resume=...` finds the checkpoints; starting a fresh run over existing checkpoints is refused
-(nothing already written is lost).
+`+resume=...` finds the checkpoints; starting a fresh run over existing checkpoints, or over the
+results of a run that saved none (its metrics rows), is refused (nothing already written is lost).
 """
 
 from __future__ import annotations
@@ -29,12 +29,31 @@ def resolved(raw: DictConfig, run_dir: Path) -> DictConfig:
     depend on a cwd or a home directory."""
     from launcher.driver import data
 
-    out = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
-    paths.absolute_config(out)
-    data.absolute_sources(out)
-    out.run.root = str(run_dir.parent)
-    out.dry_run = False
-    return out
+    # resolved once, rewritten as plain data, then made a config with each value's `${` text kept as
+    # text (shell.literal_tree): a string set on a DictConfig would be read as an interpolation again
+    plain = OmegaConf.to_container(raw, resolve=True)
+    paths.absolute_config(_Attrs(plain))
+    data.absolute_sources(_Attrs(plain))
+    plain["run"]["root"] = str(run_dir.parent)
+    plain["dry_run"] = False
+    return OmegaConf.create(shell.literal_tree(plain))
+
+
+class _Attrs:
+    """A plain config dict read and written by attribute, as the path rewrites read a Config."""
+
+    def __init__(self, d: dict):
+        object.__setattr__(self, "_d", d)
+
+    def __getattr__(self, key: str):
+        try:
+            v = self._d[key]
+        except KeyError:
+            raise AttributeError(key) from None
+        return _Attrs(v) if isinstance(v, dict) else v
+
+    def __setattr__(self, key: str, value) -> None:
+        self._d[key] = value
 
 
 def active_job(run_dir: Path) -> tuple[str, str] | None:
@@ -133,12 +152,40 @@ def hold(cfg: Config, run_dir: Path, keep: bool) -> None:
     _HELD[run_dir.resolve()] = fd
 
 
+def results(run_dir: Path) -> list[str]:
+    """What a run that trained left in `run_dir` and a fresh launch there would lose, in words (empty:
+    nothing). A fresh run's job rewrites config.yaml, drops every row of metrics.jsonl (one per step
+    trained: launcher.driver.metrics) and rewrites startup.json (written after its first step) and
+    summary.txt. Only rows or startup.json count: a step ran. summary.txt is named with them but does
+    not count alone (a run stopped during its driver's start-up writes an empty one, and its closing
+    line says the same command starts it again), nor do the records of a job that trained nothing
+    (ray/<job>.<attempt>/, logs, failures.jsonl, a placement smoke's or preflight's report: the
+    preflight uses the real run's name), which a new job leaves where they are. metrics.jsonl is read
+    with the bounded reader; one it cannot read (too large, a FIFO) is named as such."""
+    from launcher.config import bounded
+
+    found = []
+    try:
+        steps = [r["step"] for r in bounded.jsonl_objects(run_dir / paths.METRICS) if type(r.get("step")) is int]
+    except bounded.FileError as e:  # a missing file is no rows (jsonl_objects)
+        steps = []
+        found.append(f"{paths.METRICS} unread: {e.message}")
+    if steps:
+        found.append(f"{len(steps)} metrics row{'s' if len(steps) != 1 else ''} up to step {max(steps)}")
+    if (run_dir / paths.STARTUP).is_file():
+        found.append(paths.STARTUP)
+    if found and (run_dir / paths.SUMMARY).is_file():
+        found.append(paths.SUMMARY)
+    return found
+
+
 def check(cfg: Config, run_dir: Path) -> tuple:
     """Every refusal of a submission on this run directory, writing nothing: another job or a local
-    run uses it, its checkpoints live elsewhere, it holds checkpoints and this is not a resume, or
-    anything the job would refuse when it starts (launcher.driver.start_check: the checkpoint to
-    resume, its records and schedule, the run done). A sweep checks every point before it writes
-    any. Returns (the checkpoint folder, the resume's manager and checkpoint, or None)."""
+    run uses it, its checkpoints live elsewhere, it holds checkpoints or a run's results (results)
+    and this is not a resume, or anything the job would refuse when it starts
+    (launcher.driver.start_check: the checkpoint to resume, its records and schedule, the run done).
+    A sweep checks every point before it writes any. Returns (the checkpoint folder, the resume's
+    manager and checkpoint, or None)."""
     from launcher.driver import start_check  # torch-free: what the job checks when it starts, run here first
 
     ckpts = checkpoint_dirs(cfg, run_dir)
@@ -157,6 +204,11 @@ def check(cfg: Config, run_dir: Path) -> tuple:
                                       f"continue it with +resume=latest, or start fresh with run.name=<new name>")
     if (run_dir / IN_USE).is_file():
         hold(cfg, run_dir, keep=False)  # only tries the lock a local run on this machine holds
+    found = results(run_dir) if cfg.resume is None else []
+    if found:  # no checkpoint (refused above): +resume=latest would fail, only another name keeps them
+        raise ConfigError("run.name", f"{run_dir} holds the results of a run ({', '.join(found)}) but no "
+                                      f"checkpoint in {ckpts}, so +resume cannot continue it; start fresh with "
+                                      f"run.name=<new name>")
     return ckpts, resumed
 
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from launcher import paths, progress
+from tests.helpers import run_lock
 from launcher import status as status_mod
 from launcher import stop as stop_cli
 from launcher import sweep as sweep_mod
@@ -378,9 +379,10 @@ def local_run(tmp_path: Path, steps: int) -> Path:
 def test_status_of_a_local_run_from_its_run_directory(tmp_path, capsys):
     run = local_run(tmp_path, steps=3)
     capsys.readouterr()
-    info = status_mod.collect(run)
+    with run_lock.held(run):
+        info = status_mod.collect(run)
     assert (info["state"], info["job_id"], info["step"], info["max_num_steps"]) == (
-        "RUNNING", f"local-{os.getpid()}", 3, 6)  # this process is alive and has not written `done`
+        "RUNNING", f"local-{os.getpid()}", 3, 6)  # this process holds the run's lock and has not written `done`
     assert (info["reward"], info["val_reward"], info["seconds_per_step"], info["eta_s"]) == (
         pytest.approx(0.3), pytest.approx(0.15), 2.0, 6.0)
     assert info["checkpoint"] == str(run / "checkpoints" / "step_2")

@@ -250,8 +250,8 @@ def test_the_copy_handled_inside_the_first_handler_is_still_the_same_ctrl_c(monk
     ({"step": 0, "stopped": True, "checkpoint": None, "saved": False},
      "stopped at step 0: nothing was saved (before step 1); the same command starts the run again from step 1"),
     ({"step": 3, "stopped": True, "checkpoint": None, "saved": False},
-     "stopped at step 3: nothing was saved (checkpointing.enabled=false); the same command starts the run again "
-     "from step 1"),
+     "stopped at step 3: nothing was saved (checkpointing.enabled=false); the same command with run.name=<new name> "
+     "starts it again from step 1"),
     ({"step": 4, "stopped": True, "checkpoint": 4, "saved": False},
      "stopped at step 4, before running a step: nothing new was saved; the same command continues from that "
      "checkpoint (step_4) again"),

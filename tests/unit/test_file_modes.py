@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from launcher import __main__ as cli
+from tests.helpers import run_lock
 
 SLURM = ["topology=slurm_3n"]
 SECRET = "slurm.setup=['export HF_TOKEN=hf_secret']"
@@ -85,10 +86,11 @@ def test_stop_and_status_write_only_private_files(sandbox, shared, capsys):
     run = runs / "l"
     files.make_dir(run / "ray" / f"local-{os.getpid()}.0")  # a local run whose process (this one) lives, as it makes it
     capsys.readouterr()
-    assert status.main([str(run)]) == 0
-    before = sorted(p.name for p in run.rglob("*"))
-    assert status.main([str(run), "--json"]) == 0 and sorted(p.name for p in run.rglob("*")) == before
-    assert stop.main([str(run), "--no-wait"]) == 0, capsys.readouterr().err
+    with run_lock.held(run):  # and holds its run directory
+        assert status.main([str(run)]) == 0
+        before = sorted(p.name for p in run.rglob("*"))
+        assert status.main([str(run), "--json"]) == 0 and sorted(p.name for p in run.rglob("*")) == before
+        assert stop.main([str(run), "--no-wait"]) == 0, capsys.readouterr().err
     assert (run / "stop_requested").is_file()
     assert job_stop.finish_stop_request(run, f"local-{os.getpid()}", {"step": 3, "stopped": True})  # the job's side
     assert (run / "stopped.json").is_file()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from launcher import __main__ as cli
+from tests.helpers import run_lock
 
 SUBMIT = cli._submit   # the real one: the sandbox fixture replaces it with a sentinel
 HOSTILE = "it's a $(touch PWNED) `touch PWNED`; touch PWNED & x"
@@ -136,7 +137,8 @@ def test_the_stop_commands_follow_line(sandbox, root, capsys):
     run = root / "l"
     files.make_dir(run / "ray" / f"local-{os.getpid()}.0")  # a local run whose process (this one) lives
     capsys.readouterr()
-    assert stop.main([str(run), "--no-wait"]) == 0, capsys.readouterr().err
+    with run_lock.held(run):  # and holds its run directory
+        assert stop.main([str(run), "--no-wait"]) == 0, capsys.readouterr().err
     assert paste(after(capsys.readouterr().out, "follow it: "), sandbox) == [
         ["python", "-m", "launcher.status", str(run), "--watch"]]
 
