@@ -35,8 +35,8 @@ from launcher import progress
 from launcher.cluster import preflight, stop
 from launcher.cluster.context import ClusterError, JobContext, log
 from launcher.cluster.join import retry_delay
-from launcher.cluster.ray_node import (connect, disconnect, driver_env, free_port, resolve_ip, start_ray, stop_node,
-                                       wait_for_nodes, wait_port)
+from launcher.cluster.ray_node import (HeadDied, connect, disconnect, driver_env, fatal_ray_error, free_port,
+                                       resolve_ip, start_ray, stop_node, wait_for_nodes, wait_port)
 from launcher.cluster.watch import WORKER_TICK_S, HeadWatch, WorkerWatch, ray_exit, ray_stopped, write_node_report
 from launcher.config import compose as config_mod
 from launcher.config.schema import Config
@@ -193,17 +193,10 @@ def _run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver, signals
     if driver is None and cfg.run.job == "grpo":  # after the auth env and the token: it imports ray
         from launcher.driver.startup import warm_imports
         warming = warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
-    ip = resolve_ip(ctx.hostnames[0])
-    port = cfg.ray.port if cfg.topology.executor == "slurm" else free_port()
-    ray_proc = start_ray(ctx, cfg, plan.nodes[0], head_ip=ip, port=port, head=True)
+    ray_proc = None
     status = {"ok": False, "error": None}
     try:
-        wait_port(ip, port, timeout=60, proc=ray_proc, what=f"the Ray head on {ctx.hostname}",
-                  log_file=ctx.log_path("ray"))
-        files.write_json(ctx.rendezvous / paths.HEAD, {"ip": ip, "port": port, "host": ctx.hostname})
-        log(f"Ray head up at {ip}:{port} on {ctx.hostname} (job {ctx.job_id}); waiting for "
-            f"{len(plan.nodes)} node(s)")
-        connect(ctx, ip, port, cfg.ray.register_timeout_s)
+        ray_proc = start_head(ctx, cfg, plan)
         stop.reinstall()  # ray.init installed its own SIGTERM handler
         with progress.waiting(f"waiting for {len(plan.nodes)} node(s) to register with the Ray head", log):
             wait_for_nodes(ctx, cfg, plan)
@@ -224,12 +217,56 @@ def _run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver, signals
     finally:
         with stop.ctrl_c_held():  # a second Ctrl-C ("stop now") must not leave the node's Ray behind
             files.write_json(ctx.rendezvous / paths.DONE, status)
-            if any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
+            if ray_proc is None:  # start_head stopped what it started
+                pass
+            elif any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
                 stop_node(ctx, ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
                 disconnect()
             else:
                 disconnect()
                 stop_node(ctx, ray_proc)
+
+
+def start_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> subprocess.Popen:
+    """`ray start --head` on this node, published in RUN/ray/<job>/head.json and connected to as the
+    driver; its process (start_ray's reaper). A head whose own daemons die while it starts is stopped
+    and started again, ray.join_retries attempts in all, as a worker node's join is: on a busy node
+    (or one importing from a slow shared filesystem) Ray's raylet aborts when its dashboard agent has
+    not written its port files within 15 s (raylet.out: "Timed out waiting for file
+    .../dashboard_agent_listen_port_...", a wait Ray 2.60 neither skips nor lets one set), and the
+    second start finds the agent's modules in the page cache. Whatever else fails is not retried."""
+    ip = resolve_ip(ctx.hostnames[0])
+    for attempt in range(1, cfg.ray.join_retries + 1):
+        port = cfg.ray.port if cfg.topology.executor == "slurm" else free_port()
+        since = time.time()
+        proc = start_ray(ctx, cfg, plan.nodes[0], head_ip=ip, port=port, head=True)
+
+        def died(proc=proc, since=since) -> str | None:
+            return fatal_ray_error(ctx, since) or (ray_exit(ctx, proc) if proc.poll() is not None else None)
+
+        try:
+            try:
+                wait_port(ip, port, timeout=60, proc=proc, what=f"the Ray head on {ctx.hostname}",
+                          log_file=ctx.log_path("ray"))
+            except ClusterError as e:
+                dead = died()
+                raise HeadDied(f"{e}: {dead}" if dead else str(e)) from None
+            files.write_json(ctx.rendezvous / paths.HEAD, {"ip": ip, "port": port, "host": ctx.hostname})
+            log(f"Ray head up at {ip}:{port} on {ctx.hostname} (job {ctx.job_id}); waiting for "
+                f"{len(plan.nodes)} node(s)")
+            connect(ctx, ip, port, cfg.ray.register_timeout_s, died=died)
+            return proc
+        except HeadDied as e:
+            stop_node(ctx, proc)
+            if attempt == cfg.ray.join_retries:
+                raise ClusterError(f"the Ray head on {ctx.hostname} did not start in {attempt} attempt(s) "
+                                   f"(ray.join_retries); last: {e}") from None
+            log(f"{ctx.hostname}: attempt {attempt}/{cfg.ray.join_retries} to start the Ray head failed: {e}; "
+                f"starting it again")
+        except BaseException:
+            stop_node(ctx, proc)
+            raise
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 # --------------------------------------------------------------------------------------- worker

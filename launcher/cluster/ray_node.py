@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -23,7 +24,11 @@ from launcher.cluster import stop
 _log = logs.get(__name__)
 
 
-def connect(ctx: JobContext, ip: str, port: int, timeout_s: float, clock=time.monotonic,
+class HeadDied(ClusterError):
+    """The head's own Ray daemons died while it started (its `ray start` can be tried again)."""
+
+
+def connect(ctx: JobContext, ip: str, port: int, timeout_s: float, died=lambda: None, clock=time.monotonic,
             sleep=time.sleep) -> None:
     """Connect this process (the driver) to the job's Ray cluster with the job's token.
 
@@ -31,7 +36,8 @@ def connect(ctx: JobContext, ip: str, port: int, timeout_s: float, clock=time.mo
     GCS request timeout (60 s; ray/_private/services.py get_node_to_connect_for_driver): on a busy
     node the GCS port opens well before that. A head is not declared unreachable before
     `ray.register_timeout_s` (`timeout_s`), the window every node of the job gets to register:
-    the driver tries again until then, saying so."""
+    the driver tries again until then, saying so. But not on a head whose daemons died: `died()`
+    (the daemon's fatal line, or None) is asked after each failed try, and a death is HeadDied at once."""
     os.environ.update(driver_env(ctx))  # before ray is imported: Ray reads both once
     import ray
 
@@ -49,6 +55,9 @@ def connect(ctx: JobContext, ip: str, port: int, timeout_s: float, clock=time.mo
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             if ray.is_initialized():
                 ray.shutdown()
+            dead = died()
+            if dead is not None:
+                raise HeadDied(f"the Ray head at {ip}:{port} is down: {dead}") from e
             if clock() >= deadline:
                 raise ClusterError(f"the driver could not connect to the Ray head at {ip}:{port} in "
                                    f"ray.register_timeout_s={timeout_s:g}: {first}") from e
@@ -167,7 +176,11 @@ def start_ray(ctx: JobContext, cfg: Config, node: plan_mod.NodePlan, head_ip: st
            f"--num-gpus={node.gpus if cfg.topology.device == 'cuda' else 0}",
            f"--resources={json.dumps(node.ray_resources())}",
            f"--object-store-memory={r.object_store_mb * 2**20}",
-           f"--temp-dir={ctx.ray_temp_dir}"]
+           f"--temp-dir={ctx.ray_temp_dir}",
+           # no log monitor: it streams the workers' output to drivers that ask for it, and ours does not
+           # (connect: log_to_driver=False; each actor writes RUN/logs/actors/<host>-pid<pid>.log); it
+           # cost 2 s of CPU per node start on two cores, polling files no one reads
+           "--include-log-monitor=false"]
     if cfg.topology.executor == "slurm":  # pinned ports (each node has its own port space)
         cmd += [f"--node-manager-port={r.node_manager_port}", f"--object-manager-port={r.object_manager_port}",
                 f"--min-worker-port={r.min_worker_port}", f"--max-worker-port={r.max_worker_port}"]
@@ -210,6 +223,7 @@ def fatal_ray_error(ctx: JobContext, since: float) -> str | None:
         for line in text.splitlines():
             if " C " in line and "Check failed:" in line:
                 what = line.split("Check failed:", 1)[1].split(" This means", 1)[0].strip()
+                what = re.sub(r"^\S+\.has_value\(\)\s+", "", what)  # RAY_ASSIGN_OR_CHECK_SET's expression
                 why = " (Address already in use)" if "Address already in use" in text else ""
                 return f"{f.name.split('.')[0]} died: {what}{why} (log: {kept / f.name})"
     return None

@@ -566,7 +566,8 @@ class RayCfg:
     register_timeout_s: float = knob(120.0, Range(0, MAX_SECONDS, lo_open=True),
                                      "the driver fails, naming the missing nodes, when no further node registered "
                                      "for this long")
-    join_retries: int = knob(3, Range(1, 100), "attempts of a worker node's `ray start`")
+    join_retries: int = knob(3, Range(1, 100), "attempts of a node's `ray start` (a worker's join, the head's "
+                                                          "start when its daemons die)")
     join_jitter_s: float = knob(10.0, Range(0, 600), "a worker retries a refused `ray start` after a random delay "
                                                      "below this")
     # The GCS declares a node dead after health_check_failure_threshold failed checks in a row, one every

@@ -1,4 +1,5 @@
-"""The launcher's local executor end to end: a real Ray head with token auth, placement, cleanup.
+"""The launcher's local executor end to end: a real Ray head with token auth, placement, cleanup,
+and a head whose first start dies (its raylet's 15 s wait for a late dashboard agent) started again.
 
 One run (`run.job=hold`: the placement smoke, then the cluster held until `touch RUN/release`)
 for all of it: the actors on their planned nodes, a client with no token or a wrong one refused
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,14 +22,19 @@ from tests.helpers.runs import left_in_tmp
 
 pytestmark = pytest.mark.integration
 PY = sys.executable
+SLOW_AGENT = Path(__file__).resolve().parents[1] / "helpers" / "slow_agent"
 
 
 def test_local_placement_token_auth_and_cleanup(tmp_path, no_ray_left):
+    # the head's first `ray start` dies as on a busy node (its dashboard agent 25 s late: the raylet
+    # aborts after 15 s); the launcher stops it and starts it again (ray.join_retries)
+    slow = {"PYTHONPATH": os.pathsep.join(filter(None, [str(SLOW_AGENT), os.environ.get("PYTHONPATH")])),
+            "SLOW_AGENT_ONCE": str(tmp_path / "agent_was_slow")}
     proc = subprocess.Popen([PY, "-m", "launcher", "run.job=hold", f"run.root={tmp_path}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **slow})
     run = tmp_path / "local-tiny_llama"
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 400  # hang detection: a failed head start is noticed within Ray's 60 s
         while not list(run.glob("ray/*/head.json")) or not (run / "placement.json").exists():
             assert proc.poll() is None, proc.stdout.read()
             assert time.time() < deadline
@@ -65,6 +73,11 @@ def test_local_placement_token_auth_and_cleanup(tmp_path, no_ray_left):
         (run / "release").touch()
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
+    assert (tmp_path / "agent_was_slow").is_file()
+    failed = re.search(r"attempt 1/3 to start the Ray head failed: the Ray head at \S+ is down: raylet died: "
+                       r"Timed out waiting for file \S+_port_\w+ \(log: (\S+/raylet\.\w+)\); starting it again", out)
+    assert failed and Path(failed.group(1)).is_file(), out[-3000:]  # the dead raylet's log is kept in the run
+    assert "attempt 2/3" not in out
     assert "placement smoke: 3 actors on their planned nodes" in out
     assert json.loads((rendezvous / "done").read_text()) == {"ok": True, "error": None}
     job = rendezvous.name.split(".")[0]

@@ -65,3 +65,18 @@ def test_a_head_that_never_answers_is_named_once_register_timeout_s_has_passed(c
     assert len(calls) == 2  # at 0 s and 61 s; the second ends past the deadline (120 s)
     assert str(e.value) == ("the driver could not connect to the Ray head at 127.0.0.1:59277 in "
                             "ray.register_timeout_s=120: Failed to connect to Ray cluster at 192.0.2.2:59277")
+
+
+def test_a_head_whose_daemons_died_is_not_tried_again(ctx, monkeypatch):
+    """bootstrap.start_head passes `died` (the raylet's fatal line from its log, or the exit of `ray
+    start`): a dead head ends the tries at once, as HeadDied, which start_head answers by starting the
+    head again (tests/integration/test_local_launch.py)."""
+    clock, calls = Clock(), []
+    monkeypatch.setattr(ray, "init", failing_init(clock, failures=10**6, each_s=60.0, calls=calls))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(ray_node.HeadDied) as e:
+        ray_node.connect(ctx, "127.0.0.1", 59277, timeout_s=120.0, clock=clock, sleep=clock.sleep,
+                         died=lambda: "raylet died: Timed out waiting for file /x/metrics_agent_port_1 (log: /r)")
+    assert len(calls) == 1
+    assert str(e.value) == ("the Ray head at 127.0.0.1:59277 is down: raylet died: Timed out waiting for file "
+                            "/x/metrics_agent_port_1 (log: /r)")
