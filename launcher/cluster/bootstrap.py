@@ -193,10 +193,10 @@ def _run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver, signals
     if driver is None and cfg.run.job == "grpo":  # after the auth env and the token: it imports ray
         from launcher.driver.startup import warm_imports
         warming = warm_imports()  # while the head starts: the driver's torch/transformers/worker imports
-    ray_proc = None
+    ray_proc, started = None, False
     status = {"ok": False, "error": None}
     try:
-        ray_proc = start_head(ctx, cfg, plan)
+        ray_proc, started = start_head(ctx, cfg, plan), True
         stop.reinstall()  # ray.init installed its own SIGTERM handler
         with progress.waiting(f"waiting for {len(plan.nodes)} node(s) to register with the Ray head", log):
             wait_for_nodes(ctx, cfg, plan)
@@ -217,7 +217,7 @@ def _run_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan, driver, signals
     finally:
         with stop.ctrl_c_held():  # a second Ctrl-C ("stop now") must not leave the node's Ray behind
             files.write_json(ctx.rendezvous / paths.DONE, status)
-            if ray_proc is None:  # start_head stopped what it started
+            if not started:  # start_head stopped what it started
                 pass
             elif any(t.name == "driver" and t.is_alive() for t in threading.enumerate()):
                 stop_node(ctx, ray_proc)  # first: unblocks the abandoned driver's pending Ray calls
