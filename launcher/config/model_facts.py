@@ -46,6 +46,11 @@ registrations, `@MegatronModelBridge.register_bridge(source=..., model_type=...)
 registry (AutoBridge.from_hf_pretrained); a registration this reading missed would fail there.
 Where Megatron-Bridge is not installed (a laptop planning a cluster run), (a) is not checked.
 
+A quantized checkpoint (config.json's `quantization_config`, NVIDIA ModelOpt's `hf_quant_config.json`:
+FP8, NVFP4, compressed-tensors, AWQ, GPTQ, bitsandbytes, MXFP4, ...) is refused before its facts are read,
+one line naming the file, the kind and the BF16 alternative (`check_unquantized`): LoRA training here
+needs unquantized weights.
+
 Robust reading: a config.json that is not a JSON object, a missing key or a value of the wrong
 type is one ConfigError naming the file and the key. Torch-free: the workers import it too (the
 one reader of a checkpoint's facts).
@@ -272,16 +277,154 @@ ROPE_PARAMETERS: dict[str, dict[str, Any]] = {
 
 def read(path: str | Path) -> tuple[ModelFacts, list[str]]:
     """(facts, architectures) of the HF checkpoint directory `path`; ConfigError on a bad config.json."""
+    cfg_file = Path(path) / "config.json"
+    return read_hf(config_json(cfg_file), str(cfg_file))
+
+
+def config_json(cfg_file: Path) -> dict:
+    """The content of a checkpoint's config.json (a JSON object); ConfigError naming the file otherwise."""
     from launcher.config import bounded
 
-    cfg_file = Path(path) / "config.json"
     try:  # the one bounded reader: a size and depth limit, infinities as transformers reads them
         hf = bounded.model_json(cfg_file, "model config")
     except bounded.FileError as e:
         raise ConfigError("model.path", str(e)) from None
     if not isinstance(hf, dict):
         raise ConfigError("model.path", f"{cfg_file} must hold a JSON object, got {type(hf).__name__}")
-    return read_hf(hf, str(cfg_file))
+    return hf
+
+
+# ------------------------------------------------------------------------------------------
+# quantized checkpoints: refused (LoRA training here needs the unquantized weights)
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+UNQUANTIZED_ALTERNATIVE = ("LoRA training here needs unquantized weights: use the BF16 release of this model, or "
+                           "dequantize it first")
+# quant_method (as transformers' AUTO_QUANTIZATION_CONFIG_MAPPING and vLLM's QUANTIZATION_METHODS spell it,
+# lower-cased) -> the kind as a model card names it
+QUANT_KINDS: dict[str, str] = {
+    "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "mxfp8": "MXFP8", "deepseek_v4_fp8": "FP8 (DeepSeek-V4)",
+    "nvfp4": "NVFP4", "mxfp4": "MXFP4", "gpt_oss_mxfp4": "MXFP4",
+    "modelopt": "ModelOpt", "modelopt_fp4": "NVFP4 (ModelOpt)", "modelopt_mxfp8": "MXFP8 (ModelOpt)",
+    "modelopt_mixed": "mixed precision (ModelOpt)",
+    "compressed-tensors": "compressed-tensors",
+    "awq": "AWQ", "auto_awq": "AWQ", "awq_marlin": "AWQ", "gptq": "GPTQ", "auto_gptq": "GPTQ", "gptq_marlin": "GPTQ",
+    "bitsandbytes": "bitsandbytes", "aqlm": "AQLM", "vptq": "VPTQ", "quanto": "Quanto", "eetq": "EETQ",
+    "higgs": "HIGGS", "hqq": "HQQ", "torchao": "torchao", "gguf": "GGUF", "bitnet": "BitNet", "spqr": "SpQR",
+    "quark": "Quark", "fp_quant": "FP-Quant", "auto-round": "AutoRound", "metal": "Metal",
+    "fouroversix": "FourOverSix", "sinq": "SINQ", "gemma": "Gemma QAT", "experts_int8": "INT8 experts",
+    "moe_wna16": "MoE WNA16", "inc": "Intel Neural Compressor", "humming": "Humming",
+}
+
+
+def check_unquantized(directory: Path, hf: Mapping[str, Any]) -> None:
+    """One ConfigError (key model.path) when the checkpoint at `directory` (its config.json content `hf`)
+    holds quantized weights, naming the file, the kind and the BF16 alternative.
+
+    Where transformers and vLLM find a quantization (vllm/transformers_utils/config.py and
+    model_arch_config_convertor.py): config.json's `quantization_config`, else NVIDIA ModelOpt's
+    `hf_quant_config.json` beside it (`quantization.quant_algo`: what ModelOpt 0.29 and older wrote
+    instead), else config.json's `compression_config` (older compressed-tensors), else
+    `text_config.quantization_config` (a multimodal model's). Null or {} is no quantization; a
+    quant_method nobody here knows is refused too, named as written (transformers would skip it with
+    a warning and load the packed tensors as weights). No path of this project trains on quantized
+    weights (the trainers build BF16 Megatron layers and read every tensor as a weight; the dry run
+    counts the packed tensors as weights), so every kind is refused; a path that supports one would
+    let it through here."""
+    cfg_file = directory / "config.json"
+    found = _quantization(hf, "quantization_config")
+    where = cfg_file
+    if found is None and (directory / HF_QUANT_CONFIG).is_file():
+        where = directory / HF_QUANT_CONFIG
+        found = _modelopt_file(where)
+    if found is None:
+        where = cfg_file
+        found = _quantization(hf, "compression_config")
+    text = hf.get("text_config")
+    if found is None and isinstance(text, dict):
+        found = _quantization(text, "quantization_config", "text_config.quantization_config")
+    if found is not None:
+        raise ConfigError("model.path", f"{where}: {found}")
+
+
+def _quantization(hf: Mapping[str, Any], key: str, name: Optional[str] = None) -> Optional[str]:
+    """'<field>: quantized weights, <kind>; <alternative>' for a config.json's quantization object
+    `hf[key]`, or None where it is absent, null or empty."""
+    name = name or key
+    q = hf.get(key)
+    if q is None or q == {}:
+        return None
+    if not isinstance(q, dict):
+        return f"{name} must be an object or null, got {_short(q)}"
+    method = q.get("quant_method")
+    if method is None:
+        if "quantization" in q:   # ModelOpt's own layout (hf_quant_config.json's), which vLLM also reads here
+            return _modelopt(q, f"{name}.")
+        for bits in (4, 8):   # transformers reads a config with load_in_4bit / load_in_8bit as bitsandbytes
+            if q.get(f"load_in_{bits}bit") is True:
+                return (f"{name}.load_in_{bits}bit true: quantized weights, bitsandbytes {bits}-bit; "
+                        f"{UNQUANTIZED_ALTERNATIVE}")
+        return f"{name} has no quant_method (transformers refuses such a config); {UNQUANTIZED_ALTERNATIVE}"
+    if not isinstance(method, str):
+        return f"{name}.quant_method must be a string, got {_short(method)}"
+    normal = method.lower().replace("compressed_tensors", "compressed-tensors")   # as vLLM reads it
+    kind = QUANT_KINDS.get(normal)
+    field = f"{name}.quant_method {json.dumps(method)}"
+    if kind is None:
+        return f"{field}: quantized weights of a kind this launcher does not know; {UNQUANTIZED_ALTERNATIVE}"
+    algo = q.get("quant_algo")
+    if normal.startswith("modelopt") and isinstance(algo, str) and algo:
+        field += f", quant_algo {json.dumps(algo)}"
+        kind = f"{algo} (ModelOpt)"
+    return f"{field}: quantized weights, {_detail(normal, kind, q)}; {UNQUANTIZED_ALTERNATIVE}"
+
+
+def _detail(method: str, kind: str, q: Mapping[str, Any]) -> str:
+    """The kind with what a model card adds to it: FP8's block size, the bits of AWQ / GPTQ / bitsandbytes,
+    compressed-tensors' format."""
+    block = q.get("weight_block_size")
+    if method == "fp8" and isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block):
+        return f"FP8 (fine-grained, {block[0]}x{block[1]} blocks)"
+    if method == "bitsandbytes":
+        bits = 4 if q.get("load_in_4bit") or q.get("_load_in_4bit") else 8 if (
+            q.get("load_in_8bit") or q.get("_load_in_8bit")) else None
+        return f"bitsandbytes {bits}-bit" if bits else kind
+    if method in ("awq", "auto_awq", "awq_marlin", "gptq", "auto_gptq", "gptq_marlin") and \
+            isinstance(q.get("bits"), int) and not isinstance(q.get("bits"), bool):
+        return f"{kind} {q['bits']}-bit"
+    if method == "compressed-tensors" and isinstance(q.get("format"), str) and q["format"]:
+        return f"{kind} ({q['format']})"
+    return kind
+
+
+def _modelopt_file(path: Path) -> Optional[str]:
+    """What NVIDIA ModelOpt's hf_quant_config.json says is quantized (vLLM reads the file where config.json
+    has no quantization_config), or None."""
+    from launcher.config import bounded
+
+    try:
+        data = bounded.model_json(path, "model config", obj=True)
+    except bounded.FileError as e:
+        raise ConfigError("model.path", str(e)) from None
+    return _modelopt(data)
+
+
+def _modelopt(data: Mapping[str, Any], prefix: str = "") -> Optional[str]:
+    """ModelOpt's layout, {"producer": ..., "quantization": {"quant_algo": "NVFP4" | "FP8" | ..., ...}}:
+    the weights' quantization it names, or None where it names none (quant_algo null or absent: an
+    export that quantizes only the KV cache)."""
+    section = data.get("quantization")
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        return f"{prefix}quantization must be an object, got {_short(section)}"
+    algo = section.get("quant_algo")
+    if algo is None or algo == "":
+        return None
+    if not isinstance(algo, str):
+        return f"{prefix}quantization.quant_algo must be a string, got {_short(algo)}"
+    return (f"{prefix}quantization.quant_algo {json.dumps(algo)}: quantized weights, {algo} (ModelOpt); "
+            f"{UNQUANTIZED_ALTERNATIVE}")
 
 
 def read_hf(hf: Mapping[str, Any], where: str) -> tuple[ModelFacts, list[str]]:
@@ -705,8 +848,10 @@ def apply(raw: Any, explicit: Any = ()) -> list[str]:
                 model["name"] = checkpoint_name(directory)
         if not (directory / "config.json").is_file():
             return []  # not on this machine: a dry run plans with the conf's numbers, a submission refuses
-        facts, architectures = read(directory)
+        hf = config_json(directory / "config.json")
+        check_unquantized(directory, hf)   # before the facts: a quantized file's are not the weights' shapes
         source = str(directory / "config.json")
+        facts, architectures = read_hf(hf, source)
         check_supported(facts, architectures, source)
         says, whose = f"{source} says", "the checkpoint's"
     elif isinstance(builtin, str) and builtin in BUILTIN_MODELS:
