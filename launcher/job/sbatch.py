@@ -24,6 +24,7 @@ from launcher.config.schema import Config
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "ray_job.sbatch.j2"
 _FLAG = re.compile(r"^[a-z][a-z0-9_-]*$")
 
+SBATCH_OUTPUT = "the launcher reads the job id from what sbatch prints"
 # sbatch options the launcher sets itself, with the config key to use instead. sbatch accepts any
 # unambiguous prefix of a long option (`--ntasks-per-nod`), so a key that is a prefix of one of
 # these is refused too: extra_sbatch can only add options, never change the job both paths submit.
@@ -42,6 +43,12 @@ MANAGED = {
     "wrap": "the job script is the launcher's", "container-image": "set slurm.container_image",
     "container-mounts": "set slurm.container_mounts",
     "segment": "set topology.nvlink_domain_nodes",
+    # what sbatch prints or whether it returns: the launcher reads the job id from its output (submitit and the
+    # plain-sbatch path alike) and records it for the run directory's guard; these would queue a job whose id
+    # is never recorded, queue none, or block until the job ends
+    "parsable": SBATCH_OUTPUT, "quiet": SBATCH_OUTPUT, "verbose": SBATCH_OUTPUT, "test-only": SBATCH_OUTPUT,
+    "wait": "the launcher submits and returns; follow the job with python -m launcher.status --watch",
+    "help": SBATCH_OUTPUT, "usage": SBATCH_OUTPUT, "version": SBATCH_OUTPUT,
 }
 # ... and, for a job that takes its nodes whole (owns_whole_nodes), the options that say so; --mem, --mem-per-cpu
 # and --mem-per-gpu exclude one another in sbatch, so the other two are the launcher's as well

@@ -245,6 +245,13 @@ CASES = [
           ("job_name", "x", "is set by the launcher"), ("partition", "p", "is set by the launcher"),
           ("no_requeue", "true", "is set by the launcher"), ("container_image", "x", "is set by the launcher"),
           ("Time", "5", "not an sbatch long option name"), ("mem", "null", "must be a string, a number or true"),
+          # options that change what sbatch prints or whether it returns: the job id would never be recorded
+          ("parsable", "true", "is set by the launcher (the launcher reads the job id from what sbatch prints)"),
+          ("pars", "true", "abbreviates --parsable, which is set by the launcher"),
+          ("test_only", "true", "is set by the launcher"), ("quiet", "true", "is set by the launcher"),
+          ("verbose", "true", "is set by the launcher"), ("verb", "true", "abbreviates --verbose"),
+          ("wait", "true", "is set by the launcher (the launcher submits and returns"),
+          ("version", "true", "is set by the launcher"), ("usage", "true", "is set by the launcher"),
       ]],
     Case("image-quote", ["slurm.container_image='img\"'", "submit=false", *SLURM], 2,
          "slurm.container_image: has an unbalanced quote"),

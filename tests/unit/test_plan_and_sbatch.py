@@ -188,6 +188,10 @@ def test_a_bad_nvlink_domain_is_refused_in_one_line(tmp_path, capsys):
     ("slurm_2n", "exclusive", True, None), ("slurm_2n", "mem", "64G", None), ("slurm_2n", "mem_per_cpu", "2G", None),
     # options next to --segment that Slurm's topology/block reads
     ("ultra_6n4g", "spread_segments", True, None), ("ultra_6n4g", "consolidate_segments", True, None),
+    # what sbatch prints is read for the job id; an option that only starts like one stays the user's
+    ("slurm_2n", "parsable", True, "is set by the launcher (the launcher reads the job id from what sbatch prints)"),
+    ("slurm_2n", "wait", True, "is set by the launcher (the launcher submits and returns"),
+    ("slurm_2n", "wait_all_nodes", "1", None),
 ])
 def test_extra_sbatch_cannot_change_the_nvlink_or_whole_node_options(topology, key, value, refused):
     cfg, plan = with_(topology, slurm__extra_sbatch={key: value})
