@@ -248,9 +248,11 @@ def start_head(ctx: JobContext, cfg: Config, plan: plan_mod.Plan) -> subprocess.
             try:
                 wait_port(ip, port, timeout=60, proc=proc, what=f"the Ray head on {ctx.hostname}",
                           log_file=ctx.log_path("ray"))
-            except ClusterError as e:
+            except ClusterError as e:  # only a head whose daemons died is started again
                 dead = died()
-                raise HeadDied(f"{e}: {dead}" if dead else str(e)) from None
+                if dead is None:
+                    raise
+                raise HeadDied(f"{e}: {dead}") from None
             files.write_json(ctx.rendezvous / paths.HEAD, {"ip": ip, "port": port, "host": ctx.hostname})
             log(f"Ray head up at {ip}:{port} on {ctx.hostname} (job {ctx.job_id}); waiting for "
                 f"{len(plan.nodes)} node(s)")

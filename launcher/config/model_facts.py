@@ -389,8 +389,7 @@ def _detail(method: str, kind: str, q: Mapping[str, Any]) -> str:
         bits = 4 if q.get("load_in_4bit") or q.get("_load_in_4bit") else 8 if (
             q.get("load_in_8bit") or q.get("_load_in_8bit")) else None
         return f"bitsandbytes {bits}-bit" if bits else kind
-    if method in ("awq", "auto_awq", "awq_marlin", "gptq", "auto_gptq", "gptq_marlin") and \
-            isinstance(q.get("bits"), int) and not isinstance(q.get("bits"), bool):
+    if kind in ("AWQ", "GPTQ") and isinstance(q.get("bits"), int) and not isinstance(q.get("bits"), bool):
         return f"{kind} {q['bits']}-bit"
     if method == "compressed-tensors" and isinstance(q.get("format"), str) and q["format"]:
         return f"{kind} ({q['format']})"
