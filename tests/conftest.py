@@ -12,6 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+# submitit's import runs logging.config.dictConfig, which closes every logging handler already made:
+# absl's (which a module importing megatron or vLLM brings) closes the stream it holds, pytest's
+# captured stderr, and the next test of that worker fails on a closed file and its report kills the
+# worker ("lost sys.stderr"). Imported first, its dictConfig finds no handler to close.
+import submitit  # noqa: F401
 
 from launcher.cluster.ray_node import DAEMON_ENV
 

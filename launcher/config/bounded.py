@@ -186,7 +186,17 @@ def special_floats(obj: Any) -> Any:
 def parse_json(data: str | bytes, where: Path | str, depth: int = JSON_DEPTH, special: bool = False) -> Any:
     """JSON text -> its value; FileError naming `where` when it is not JSON (NaN and Infinity are
     not, unless `special`: then both spellings of SPECIAL_FLOATS read as floats), nests deeper than
-    `depth` or holds a number too large for a float."""
+    `depth` or holds a number too large for a float. Bytes are read as the job's components read a
+    JSON file (transformers, vLLM, json.load on a file opened as UTF-8): UTF-8 text without a
+    byte-order mark; json.loads would have guessed UTF-16 or skipped the mark."""
+    if isinstance(data, (bytes, bytearray)):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FileError(where, "", f"not UTF-8 text (byte {e.start}): JSON files are read as UTF-8") from None
+    if data.startswith("\ufeff"):
+        raise FileError(where, "", "starts with a byte-order mark (U+FEFF), which transformers' and Python's JSON "
+                                   "readers refuse: save it as UTF-8 without one")
     try:
         obj = json.loads(data, parse_constant=SPECIAL_FLOATS.__getitem__ if special else _no_constant)
     except RecursionError:
@@ -371,7 +381,21 @@ def safetensors_header(path: Path | str, limit: int = LIMITS["safetensors header
     if size < out.data_end:
         raise FileError(path, "", f"{size} bytes, its tensors end at byte {out.data_end} (cut short: an interrupted "
                                   f"download?)")
+    _library_reads(path)
     return out
+
+
+def _library_reads(path: Path | str) -> None:
+    """The safetensors library, which the job's components open the file with, reads its header
+    (it refuses more than the checks above: tensors that overlap or leave gaps, bytes after the
+    last tensor). It maps the file and reads the header only, never a tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except (SafetensorError, OSError, ValueError) as e:
+        raise FileError(path, "", f"the safetensors library refuses it ({str(e).splitlines()[0][:120]})") from None
 
 
 def _tensor(path: Path | str, name: str, e: Any) -> Tensor:

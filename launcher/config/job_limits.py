@@ -45,7 +45,8 @@ def errors(cfg: Config, tokenizer: bool = True) -> list[ConfigError]:
     rules = model_rules.errors(cfg.model, cfg.topology.device)
     if cfg.run.job != "grpo":  # placement_smoke, hold, preflight: no engine, no trainer, no prompts
         return rules
-    return rules + positions(cfg) + schedule_errors(cfg) + (chat_template(cfg) if tokenizer else [])
+    return rules + positions(cfg) + schedule_errors(cfg) + (chat_template(cfg) + template_compiles(cfg)
+                                                            if tokenizer else [])
 
 
 # ------------------------------------------------------------------------------- the tokenizer
@@ -92,6 +93,59 @@ def chat_template(cfg: Config) -> list[ConfigError]:
         return [ConfigError(key, f"needs the tokenizer's chat template to render the episodes' messages, and {why}")]
     return [ConfigError(key, f"needs the tokenizer's chat template to encode the messages, and {why}; "
                              f"use data.prompt_key")]
+
+
+def default_template(model_dir: Path) -> tuple[str, Path] | None:
+    """(the chat template the job renders with, the file it is in), as transformers picks it when it
+    loads the tokenizer (PreTrainedTokenizerBase.from_pretrained, apply_chat_template): the file
+    chat_template.jinja, else additional_chat_templates/default.jinja, else tokenizer_config.json's
+    `chat_template` (a string, or the entry named "default" of a list of {name, template}), else
+    chat_template.json's; None when there is none."""
+    from launcher.config import bounded
+
+    limit = bounded.LIMITS["tokenizer"]
+    for f in (model_dir / "chat_template.jinja", model_dir / "additional_chat_templates" / "default.jinja"):
+        if f.is_file():
+            return bounded.read_text(f, limit, "tokenizer"), f
+    for f in (model_dir / "tokenizer_config.json", model_dir / "chat_template.json"):
+        if f.is_file():
+            found = bounded.model_json(f, "tokenizer", obj=True).get("chat_template")
+            if isinstance(found, list):
+                found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"),
+                             None)
+            if isinstance(found, str) and found:
+                return found, f
+    return None
+
+
+def template_compiles(cfg: Config) -> list[ConfigError]:
+    """The job renders every prompt with the tokenizer's chat template when data.chat_template=auto
+    (launcher.driver.data.PromptEncoder, episode_tokens): it is compiled here by transformers' own
+    compiler (the sandboxed Jinja environment and extensions apply_chat_template uses), so a syntax
+    error is one line at submission, not a failure of the job's first step."""
+    if cfg.run.job != "grpo" or cfg.data.chat_template != "auto" or cfg.model.path is None \
+            or not Path(cfg.model.path).is_dir():
+        return []
+    from launcher.config import bounded
+
+    try:
+        found = default_template(Path(cfg.model.path))
+    except bounded.FileError:
+        return []  # a file the model folder's own check names (launcher.config.model_files)
+    if found is None:
+        return []
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # what apply_chat_template calls
+
+    template, where = found
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as e:
+        line = f", line {e.lineno}" if getattr(e, "lineno", None) else ""
+        return [ConfigError("model.path", f"{where}: the chat template does not compile (Jinja: "
+                                          f"{str(e.message or e).splitlines()[0][:100]}{line}); the job renders "
+                                          f"every prompt with it (or set data.chat_template=none)")]
+    return []
 
 
 # ------------------------------------------------------------------------------- vLLM's context

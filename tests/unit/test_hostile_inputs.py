@@ -468,12 +468,45 @@ CASES = [
           ("chat-template-jinja-not-text", lambda n: _forged_model(
               n, lambda d: (d / "chat_template.jinja").write_bytes(b"{{ messages \xff\xfe")),
            "/chat_template.jinja: not UTF-8 text"),
+          # read as the job reads them: JSON as UTF-8 text (no byte-order mark, no UTF-16), the weights by the
+          # safetensors library, the chat template compiled by transformers' compiler
+          ("config-byte-order-mark", lambda n: _model(n, extra={"config.json": "\ufeff" + json.dumps(TINY_LLAMA)}),
+           "/config.json: starts with a byte-order mark (U+FEFF)"),
+          ("config-utf16", lambda n: _forged_model(n, lambda d: (d / "config.json").write_bytes(
+              json.dumps(TINY_LLAMA).encode("utf-16"))),
+           "/config.json: not UTF-8 text (byte 0)"),
+          ("tokenizer-config-byte-order-mark", lambda n: _model(n, extra={"tokenizer_config.json": "\ufeff{}"}),
+           "/tokenizer_config.json: starts with a byte-order mark"),
+          ("tensors-overlap", lambda n: _forged_model(n, _header(
+              b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [255, 128], "data_offsets": [0, 130560]}, '
+              b'"lm_head.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}')),
+           "/model.safetensors: the safetensors library refuses it (Error while deserializing header: invalid "
+           "offset for tensor"),
+          ("bytes-after-the-last-tensor", lambda n: _forged_model(n, lambda d: (d / "model.safetensors").write_bytes(
+              (d / "model.safetensors").read_bytes() + b"\0" * 16)),
+           "/model.safetensors: the safetensors library refuses it (Error while deserializing header: incomplete "
+           "metadata, file not fully covered)"),
+          ("chat-template-syntax", lambda n: _model(n, extra={
+              "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}\n"}),
+           "/chat_template.jinja: the chat template does not compile (Jinja: Unexpected end of template"),
+          ("chat-template-in-tokenizer-config", lambda n: _model(n, extra={"tokenizer_config.json": json.dumps(
+              {"chat_template": [{"name": "default", "template": "{{ messages[0]['content'] }"}]})}),
+           "/tokenizer_config.json: the chat template does not compile (Jinja: unexpected '}'"),
       ]],
     Case("model-rope-theta-zero", ["model.path={sandbox}/models/t0", *SLURM, "submit=false"], 2,
          "model.rope_theta: must be more than 0 or null, got 0.0",
          setup=_model("t0", extra={"config.json": _rope({"rope_type": "default"}, theta=0.0)})),
     Case("model-sentencepiece-whole-passes", ["model.path={sandbox}/models/sp", *SLURM, "submit=false"], 0, "",
          setup=_forged_model("sp", _sentencepiece(cut=False), drop=("tokenizer.json",))),
+    # transformers' own compiler: its `{% generation %}` tag (which plain Jinja refuses) and a list of named templates
+    Case("model-chat-templates-that-compile-pass", ["model.path={sandbox}/models/ct", *SLURM, "submit=false"], 0, "",
+         setup=_model("ct", extra={
+             "chat_template.jinja": "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+                                    "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}"
+                                    "{% endfor %}",
+             "tokenizer_config.json": json.dumps({"chat_template": [
+                 {"name": "default", "template": "{{ messages[0]['content'] }}"},
+                 {"name": "tool_use", "template": "{% broken"}]})})),
     Case("positions", ["grpo.max_total_sequence_length=4096"], 2,
          "grpo.max_total_sequence_length: must be at most the model's 1024 positions"),
     Case("temperature-under-vllms-floor", ["grpo.temperature=1e-4"], 2, "grpo.temperature: must be at least 0.01"),
