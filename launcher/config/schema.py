@@ -509,7 +509,8 @@ class Slurm:
                                "seconds before the time limit the job is told to checkpoint and requeue")
     max_num_timeout: int = knob(3, Range(0, 1000), "requeues after a time-out at most")
     setup: list[str] = knob([], Elsewhere(SBATCH_RULE, "shell lines that parse"),
-                            "shell lines run on every node before Ray starts (module load ...)")
+                            "shell lines run before the job starts Ray on its nodes (module load ...), under set -euo "
+                            "pipefail on both submission paths: a line that fails stops the job")
     container_image: Optional[str] = knob(None, Text(), "pyxis --container-image; null: no container")
     container_mounts: Optional[str] = knob(None, Text(), "pyxis --container-mounts")
     extra_sbatch: dict[str, Any] = knob({}, Elsewhere(SBATCH_RULE, "sbatch long options the launcher does not set "

@@ -172,6 +172,25 @@ def job_spec(cfg: Config, plan: plan_mod.Plan) -> JobSpec:
                    env=env, notes=notes, srun_args=srun_args, python=python)
 
 
+# the shell options of both scripts, before anything of the job's runs: a setup line that fails, reads an unset
+# variable or fails inside a pipe stops the job there (with its status), before Ray starts on a broken environment
+SHELL_OPTIONS = "set -euo pipefail"
+
+
+def prologue(spec: JobSpec) -> list[str]:
+    """The shell lines both scripts run after SHELL_OPTIONS and before the job's srun, from this one
+    place: the plain-sbatch template (`render`) pastes them, submitit gets them as its `setup`
+    (behind SHELL_OPTIONS, which the template writes first), so the same slurm.setup behaves the same
+    on both paths (tests/unit/test_plan_and_sbatch.py runs both bodies)."""
+    lines = []
+    if topology_lines(spec):
+        lines += ["# the NVLink domain (topology.nvlink_domain_nodes); slurm.setup, run next, may override",
+                  *topology_lines(spec)]
+    if spec.setup:
+        lines += ["# setup (slurm.setup)", *spec.setup]
+    return lines
+
+
 def topology_lines(spec: JobSpec) -> list[str]:
     """The shell lines both scripts run before slurm.setup (which may override them): the notes as
     comments, then the job's environment (srun passes it to every task, Ray to every actor)."""
@@ -196,7 +215,7 @@ def task_epilog_script(spec: JobSpec, run_dir: Path) -> str:
 def submitit_parameters(spec: JobSpec, run_dir: Path) -> dict:
     """Parameters for submitit.SlurmExecutor.update_parameters (submitit quotes srun's words itself)."""
     params: dict = dict(job_name=spec.job_name, nodes=spec.nodes, ntasks_per_node=1, time=spec.time_min,
-                        signal_delay_s=spec.signal_delay_s, setup=[*topology_lines(spec), *spec.setup],
+                        signal_delay_s=spec.signal_delay_s, setup=[SHELL_OPTIONS, *prologue(spec)],
                         srun_args=["--kill-on-bad-exit=1", *srun_args(spec, run_dir)])
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
@@ -244,6 +263,6 @@ def render(spec: JobSpec, plan: plan_mod.Plan, run_dir: Path, header: str = "") 
         plan_lines=plan.describe().splitlines(), job_name=shlex.quote(spec.job_name), nodes=spec.nodes,
         gpus_per_node=spec.gpus_per_node, cpus_per_task=spec.cpus_per_task, time_min=spec.time_min,
         slurm_flags=flags, signal_delay_s=spec.signal_delay_s,
-        log_q=shlex.quote(str(run_dir / "logs" / "sbatch-%j.out")), setup=spec.setup,
-        topology_lines=topology_lines(spec),
+        log_q=shlex.quote(str(run_dir / "logs" / "sbatch-%j.out")), shell_options=SHELL_OPTIONS,
+        prologue=prologue(spec),
         srun_args=[shlex.quote(a) for a in srun_args(spec, run_dir)], python=spec.python_q)

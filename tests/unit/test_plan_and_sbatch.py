@@ -113,6 +113,38 @@ def test_submitit_script_is_the_same_job():
                                                            Path("/runs/x"))
 
 
+def _body(script: str, reached: Path) -> str:
+    """A job script without its #SBATCH lines, its srun line (the job itself) replaced by `touch reached`."""
+    lines = [line for line in script.splitlines() if not line.startswith("#SBATCH")]
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    return "\n".join(lines[:srun] + [f"touch {reached}"]) + "\n"
+
+
+@pytest.mark.parametrize("setup, stops", [
+    ("echo $I45_NOT_SET", True),               # an unset variable
+    ("false", True),                           # a command that fails
+    ("false | cat", True),                     # ... inside a pipe
+    ("export I45_SET=1 && echo $I45_SET", False),
+])
+def test_both_scripts_run_slurm_setup_under_the_same_shell_options(tmp_path, setup, stops):
+    """The plain-sbatch script and submitit's run the one prologue (sbatch.prologue, behind SHELL_OPTIONS): the
+    same slurm.setup line stops both before the job's srun, or neither. Each body is run by bash as Slurm runs it
+    (the #SBATCH lines are comments), with the srun line replaced by a marker."""
+    cfg, plan = plan_of("topology=slurm_3n", f"slurm.setup=['{setup}','touch {tmp_path}/after']")
+    spec = sbatch.job_spec(cfg, plan)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("I45_")} | {"SLURM_JOB_ID": "7"}
+    results = {}
+    for name, script in (("sbatch", sbatch.render(spec, plan, tmp_path)), ("submitit",
+                                                                           sbatch.submitit_script(spec, tmp_path))):
+        for f in ("after", "reached"):
+            (tmp_path / f).unlink(missing_ok=True)
+        p = subprocess.run(["bash", "-c", _body(script, tmp_path / "reached")], env=env, cwd=tmp_path,
+                           capture_output=True, text=True)
+        results[name] = (p.returncode != 0, (tmp_path / "after").exists(), (tmp_path / "reached").exists())
+    expected = (True, False, False) if stops else (False, True, True)
+    assert results == {"sbatch": expected, "submitit": expected}
+
+
 @functools.lru_cache(maxsize=None)
 def _composed(topology: str):
     return typed(compose([f"topology={topology}"]))
