@@ -144,9 +144,11 @@ def _register_schema_sections() -> None:
 
     store = ConfigStore.instance()
     hints = typing.get_type_hints(Config)
-    for f in dataclasses.fields(Config):
-        if dataclasses.is_dataclass(hints[f.name]):
-            store.store(group="schema", name=f.name, node=hints[f.name])
+    sections = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])]
+    if all(f"{name}.yaml" in store.repo.get("schema", {}) for name in sections):
+        return  # stored by an earlier compose of this process (the store outlives GlobalHydra's clear)
+    for name in sections:
+        store.store(group="schema", name=name, node=hints[name])
 
 
 def _check_group_choice(override: str) -> None:

@@ -11,6 +11,7 @@ becomes a ConfigError naming the key. Workers receive the plain sections they ne
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -686,6 +687,13 @@ def loss_errors(loss: Loss) -> list[ConfigError]:
     return errs
 
 
+@functools.lru_cache(maxsize=1)
+def _structured() -> DictConfig:
+    """The schema as OmegaConf's structured config, made once (OmegaConf.merge copies its first argument,
+    so the one made here is never changed)."""
+    return OmegaConf.structured(Config)
+
+
 def typed(cfg: DictConfig) -> Config:
     """Merge `cfg` into the schema; a type error or unknown key becomes a ConfigError."""
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -693,7 +701,7 @@ def typed(cfg: DictConfig) -> Config:
     try:
         # as plain data: a section Hydra composed from the schema (every section) would otherwise
         # drop a key added to it with +key=value instead of refusing it
-        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(OmegaConf.to_container(cfg)))
+        merged = OmegaConf.merge(_structured(), OmegaConf.create(OmegaConf.to_container(cfg)))
     except ConfigKeyError as e:
         raise ConfigError(str(e.full_key), "unknown key (check the spelling)") from None
     except OmegaConfBaseException as e:

@@ -10,6 +10,7 @@ job. Adding a case is one line in CASES.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import stat
@@ -37,6 +38,7 @@ class Case:
     unchanged: tuple[str, ...] = ()                # more paths (repo-relative) that must not change
 
 
+@functools.lru_cache(maxsize=None)  # text: the same for every case that asks
 def _config_yaml(*overrides: str) -> str:
     from launcher.config.compose import compose, to_yaml
 
