@@ -137,6 +137,23 @@ class All:
 
 
 @dataclass(frozen=True)
+class Sizes:
+    """A non-empty list of integers >= 1 in increasing order, or null (batch sizes)."""
+
+    def error(self, value: Any) -> str | None:
+        if value is None:
+            return None
+        items = list(value)
+        if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in items) \
+                or items != sorted(set(items)):
+            return f"must be a list of integers >= 1 in increasing order, or null, got {items}"
+        return None
+
+    def allowed(self) -> str:
+        return "a list of integers >= 1 in increasing order | null"
+
+
+@dataclass(frozen=True)
 class Elsewhere:
     """Checked by a rule that needs more than the value (other fields, files): `where` names it."""
     where: str
@@ -161,7 +178,7 @@ class Free:
         return f"any ({self.why})"
 
 
-Check = Range | OneOf | Text | Filled | All | Elsewhere | Free
+Check = Range | OneOf | Text | Filled | All | Sizes | Elsewhere | Free
 
 _MISSING: Any = dataclasses.MISSING
 

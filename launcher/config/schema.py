@@ -51,6 +51,25 @@ DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("xavier", "uniform", "normal", "zero", "kaiming")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 JOBS = ("grpo", "placement_smoke", "hold", "preflight")
+# What vLLM 0.32 accepts for the engine settings of topology.generation (tests/unit/test_job_limits.py reads them
+# off the installed vLLM: KernelConfig's MoEBackend, CacheConfig's MambaDType, CompilationConfig's CUDAGraphMode,
+# AttentionBackendEnum)
+VLLM_MOE_BACKENDS = ("auto", "triton", "batched_triton", "deep_gemm", "deep_gemm_mega_moe", "cutlass",
+                     "flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_moe_ep_cutedsl",
+                     "flashinfer_b12x", "b12x", "flashinfer_moe_ep_mega_deep_gemm", "marlin", "humming",
+                     "triton_unfused", "aiter", "aiter_mega_moe", "aiter_triton_mxfp4_bf16", "flydsl", "hpc",
+                     "emulation", "rdna3")
+VLLM_MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+VLLM_CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+VLLM_ATTENTION_BACKENDS = (
+    "FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TRITON_ATTN", "TRITON_ATTN_DIFFKV", "TRITON_FLASH_ATTN", "ROCM_ATTN",
+    "ROCM_SEGMENTED_ATTN", "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA", "ROCM_AITER_FA", "ROCM_AITER_MLA_SPARSE",
+    "XPU_MLA_SPARSE", "TORCH_SDPA", "FLASHINFER", "TRITON_FLASHINFER", "FLASHINFER_MLA", "TOKENSPEED_MLA",
+    "FLASHINFER_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM120", "FLASHINFER_MLA_SPARSE_SM90", "TRITON_MLA", "CUTLASS_MLA",
+    "FLASHMLA", "FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4", "ROCM_FLASHMLA_SPARSE_DSV4",
+    "FLASHMLA_SPARSE_DSV41", "FLASHINFER_MLA_SPARSE_DSV41", "FLASHMLA_MEGA_ATTN_DSV41", "B12X", "FLASH_ATTN_MLA",
+    "FLASH_ATTN_MLA_SPARSE", "MINIMAX_M3_SPARSE", "CUTLASS_MSA", "TRITON_MSA", "NO_ATTENTION", "FLEX_ATTENTION",
+    "HPC_ATTN", "ROCM_AITER_UNIFIED_ATTN", "CPU_ATTN", "CPU_MLA", "AMX_MLA", "TURBOQUANT", "ULTRAQUANT", "CUSTOM")
 
 
 # Activation recompute (topology.train.recompute): none | selective | full. selective recomputes the
@@ -99,6 +118,22 @@ class GenerationRole:
     ranks_per_node: int = knob(1, PARALLEL, "vLLM workers per node (one per GPU on cuda)")
     engines: int = knob(1, COUNT, "vLLM engines; engines x tensor_parallel = the vLLM workers")
     tensor_parallel: int = knob(1, PARALLEL, "vLLM tensor parallel size of one engine (1 on cpu)")
+    # the engines' kernels, graphs and caches on this topology's GPUs (vllm.LLM's keyword arguments; null / auto:
+    # vLLM's own choice). NeMo RL's Ultra recipes pin them: conf/topology/ultra_6n4g.yaml
+    attention_backend: Optional[str] = knob(None, OneOf(VLLM_ATTENTION_BACKENDS, nullable=True),
+                                            "cuda only: vLLM's attention backend (FLASH_ATTN, FLASHINFER, ...)")
+    moe_backend: str = knob("auto", OneOf(VLLM_MOE_BACKENDS), "cuda only: vLLM's MoE expert kernels (on SM100 its "
+                                                              "auto picks FlashInfer-TRTLLM first)")
+    cudagraph_mode: Optional[str] = knob(None, OneOf(VLLM_CUDAGRAPH_MODES, nullable=True),
+                                         "cuda only, with CUDA graphs (vllm.enforce_eager): what vLLM captures")
+    cudagraph_capture_sizes: Optional[list[int]] = knob(None, fields.Sizes(),
+                                                        "cuda only: the batch sizes vLLM captures graphs of")
+    fuse_allreduce_rms: Optional[bool] = knob(None, OneOf((True, False), nullable=True), "cuda only: vLLM's all-reduce + RMSNorm fusion "
+                                                          "(FlashInfer); false when TP spans nodes")
+    max_num_seqs: Optional[int] = knob(None, Range(1, None, nullable=True),
+                                       "sequences one engine step runs at most (a hybrid's Mamba state slots)")
+    mamba_ssm_cache_dtype: str = knob("auto", OneOf(VLLM_MAMBA_DTYPES),
+                                      "a hybrid's SSM state in vLLM's cache; auto: config.json's mamba_ssm_cache_dtype")
 
 
 @dataclass

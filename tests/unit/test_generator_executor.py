@@ -69,3 +69,56 @@ def test_a_hybrid_model_runs_without_prefix_caching_on_every_device(device, tiny
         assert kw["enable_prefix_caching"] is False
     assert "enable_prefix_caching" not in GeneratorConfig(model=str(llama), device=device).engine_kwargs()
     assert not has_mamba_layers("/nonexistent")  # no config.json: nothing known (the preflight's stand-in name)
+
+
+def _engine(device: str, model: str, *overrides: str) -> dict:
+    """vllm.LLM's keyword arguments for `model` under the ultra_6n4g topology (on `device`), as the driver builds
+    the engine's config from the composed sections (launcher.driver.start)."""
+    from dataclasses import asdict
+
+    cfg = typed(compose(["topology=ultra_6n4g", f"topology.device={device}", *overrides]))
+    generation = asdict(cfg.topology.generation) | ({"tensor_parallel": 1} if device == "cpu" else {})
+    return GeneratorConfig.from_sections(model, asdict(cfg.vllm), generation, device=device).engine_kwargs()
+
+
+ULTRA_ENGINE = {"attention_backend": "FLASH_ATTN", "max_num_seqs": 256, "mamba_ssm_cache_dtype": "float32",
+                "compilation_config": {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8],
+                                       "pass_config": {"fuse_allreduce_rms": False}}}
+
+
+def test_the_reference_topology_pins_nemo_rls_ultra_engine_settings_for_a_hybrid_moe(tiny_model):
+    """topology=ultra_6n4g gives the engine of a hybrid MoE (Nemotron-H's layer pattern, experts) NeMo RL's Ultra
+    settings on cuda (conf/topology/ultra_6n4g.yaml names the recipe files); on cpu only what vLLM CPU runs: no
+    attention or MoE kernel choice, no graphs, but the same sequence budget and SSM state dtype."""
+    hybrid = str(tiny_model("tiny_nemotron_h"))
+    cuda = _engine("cuda", hybrid)
+    assert {k: cuda[k] for k in ULTRA_ENGINE} == ULTRA_ENGINE and cuda["enable_prefix_caching"] is False
+    assert "moe_backend" not in cuda  # auto: vLLM's own choice unless the topology names one
+    assert _engine("cuda", hybrid, "topology.generation.moe_backend=flashinfer_cutlass")["moe_backend"] == \
+        "flashinfer_cutlass"
+    cpu = _engine("cpu", hybrid)
+    assert {k: cpu.get(k) for k in ("attention_backend", "moe_backend", "compilation_config")} == dict.fromkeys(
+        ("attention_backend", "moe_backend", "compilation_config"))
+    assert cpu["max_num_seqs"] == 256 and cpu["mamba_ssm_cache_dtype"] == "float32"
+    plain = GeneratorConfig(model=hybrid, device="cuda", tensor_parallel=8).engine_kwargs()
+    assert not set(plain) & {"attention_backend", "moe_backend", "compilation_config", "max_num_seqs",
+                             "mamba_ssm_cache_dtype"}  # the schema's defaults leave every choice to vLLM
+
+
+@pytest.mark.parametrize("override, message", [
+    ("topology.generation.moe_backend=cutlas", "topology.generation.moe_backend: must be one of auto, triton"),
+    ("topology.generation.cudagraph_mode=piecewise", "topology.generation.cudagraph_mode: must be one of NONE, "
+                                                     "PIECEWISE"),
+    ("topology.generation.cudagraph_capture_sizes=[4,2]", "topology.generation.cudagraph_capture_sizes: must be a "
+                                                          "list of integers >= 1 in increasing order"),
+    ("topology.generation.cudagraph_capture_sizes=[0]", "topology.generation.cudagraph_capture_sizes: must be a "
+                                                        "list of integers >= 1"),
+    ("topology.generation.max_num_seqs=0", "topology.generation.max_num_seqs: must be at least 1 or null"),
+    ("topology.generation.mamba_ssm_cache_dtype=fp32", "topology.generation.mamba_ssm_cache_dtype: must be one of "
+                                                       "auto, float32, float16, bfloat16"),
+    ("topology.generation.attention_backend=FLASH", "topology.generation.attention_backend: must be one of "
+                                                    "FLASH_ATTN"),
+])
+def test_an_engine_setting_vllm_does_not_accept_is_one_line(override, message):
+    errs = [str(e) for e in validate(typed(compose(["topology=ultra_6n4g", override])))]
+    assert any(e.startswith(message) for e in errs), errs

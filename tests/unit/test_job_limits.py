@@ -145,6 +145,21 @@ for hf, max_len in cases["positions"]:
         out["positions"].append(True)
     except Exception:
         out["positions"].append(False)
+import typing
+from vllm.config.cache import MambaDType
+from vllm.config.compilation import CUDAGraphMode
+from vllm.config.kernel import MoEBackend
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+out["accepts"] = {"moe_backend": list(typing.get_args(MoEBackend)), "mamba_ssm_cache_dtype": list(
+    typing.get_args(MambaDType)), "cudagraph_mode": [m.name for m in CUDAGraphMode],
+    "attention_backend": [m.name for m in AttentionBackendEnum]}
+import dataclasses
+from vllm.config.compilation import CompilationConfig
+graphs = CompilationConfig(**cases["engine"]["compilation_config"])  # as EngineArgs.__post_init__ builds it
+out["engine"] = [sorted(set(cases["engine"]) - {f.name for f in dataclasses.fields(EngineArgs)}),
+                 graphs.cudagraph_mode.name, graphs.cudagraph_capture_sizes, graphs.pass_config.fuse_allreduce_rms,
+                 AttentionBackendEnum[cases["engine"]["attention_backend"]].name]
 print(json.dumps(out))
 """
 
@@ -184,8 +199,10 @@ POSITIONS = [
 
 @pytest.fixture(scope="module")
 def vllm_says():
+    from tests.unit.test_generator_executor import ULTRA_ENGINE
+
     cases = {"temperature": TEMPERATURES, "rope": [[theta, rope] for theta, rope, _ in ROPES],
-             "positions": [[{**_hf(keys)}, n] for keys, n in POSITIONS]}
+             "positions": [[{**_hf(keys)}, n] for keys, n in POSITIONS], "engine": ULTRA_ENGINE}
     p = subprocess.run([sys.executable, "-c", VLLM_PROBE, json.dumps(cases)], capture_output=True, text=True,
                        cwd=REPO, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -232,3 +249,19 @@ def test_the_context_the_launcher_accepts_is_one_vllm_accepts(vllm_says, tmp_pat
         cfg = typed(compose([f"model.path={d}", f"grpo.max_total_sequence_length={n}"]))
         assert (not job_limits.positions(cfg)) == accepted, (keys, n)
     assert vllm_says["positions"] == [True, False, True, False, False, True, False, False]
+
+
+def test_the_engine_settings_the_schema_accepts_are_the_installed_vllms(vllm_says):
+    """topology.generation's engine settings (schema.GenerationRole) accept what vLLM's own types accept
+    (KernelConfig.moe_backend, CacheConfig.mamba_ssm_cache_dtype, CUDAGraphMode, AttentionBackendEnum), and
+    the reference topology's settings are EngineArgs' keywords, its compilation settings a CompilationConfig."""
+    from launcher.config import schema
+    from tests.unit.test_generator_executor import ULTRA_ENGINE
+
+    assert vllm_says["accepts"] == {"moe_backend": list(schema.VLLM_MOE_BACKENDS),
+                                    "mamba_ssm_cache_dtype": list(schema.VLLM_MAMBA_DTYPES),
+                                    "cudagraph_mode": list(schema.VLLM_CUDAGRAPH_MODES),
+                                    "attention_backend": list(schema.VLLM_ATTENTION_BACKENDS)}
+    graphs = ULTRA_ENGINE["compilation_config"]
+    assert vllm_says["engine"] == [[], graphs["cudagraph_mode"], graphs["cudagraph_capture_sizes"],
+                                   graphs["pass_config"]["fuse_allreduce_rms"], ULTRA_ENGINE["attention_backend"]]

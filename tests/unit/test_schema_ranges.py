@@ -24,7 +24,7 @@ import pytest
 from launcher import plan as plan_mod
 from launcher.config import ranges
 from launcher.config.compose import ConfigError, compose
-from launcher.config.fields import All, Elsewhere, Filled, Free, OneOf, Range, Text, knob, leaves, section_docs
+from launcher.config.fields import All, Elsewhere, Filled, Free, OneOf, Range, Sizes, Text, knob, leaves, section_docs
 from launcher.config.schema import Config, typed
 from launcher.config.validate import validate
 from launcher.job import sbatch
@@ -87,6 +87,8 @@ def bad_values(check) -> list:
         return ["a\nb"]
     if isinstance(check, Filled):
         return [[]]
+    if isinstance(check, Sizes):
+        return [[0], [4, 2]]
     if isinstance(check, All):  # ranges: each one's; a set inside a range: the range's (ALSO_BAD adds the set's)
         return [v for c in check.checks if isinstance(c, Range) for v in bad_values(c)]
     return []

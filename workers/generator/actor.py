@@ -57,6 +57,14 @@ class GeneratorConfig(Vllm):
     model: str                                # HF checkpoint directory
     device: str = Topology.device             # the schema's default, as tensor_parallel's
     tensor_parallel: int = GenerationRole.tensor_parallel
+    # the engine settings of topology.generation (schema.GenerationRole: their docs and what vLLM accepts)
+    attention_backend: str | None = GenerationRole.attention_backend
+    moe_backend: str = GenerationRole.moe_backend
+    cudagraph_mode: str | None = GenerationRole.cudagraph_mode
+    cudagraph_capture_sizes: list[int] | None = GenerationRole.cudagraph_capture_sizes
+    fuse_allreduce_rms: bool | None = GenerationRole.fuse_allreduce_rms
+    max_num_seqs: int | None = GenerationRole.max_num_seqs
+    mamba_ssm_cache_dtype: str = GenerationRole.mamba_ssm_cache_dtype
     enable_lora: bool = False                 # True for refit.mode=adapter
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"       # raw_logprobs | processed_logprobs
@@ -117,11 +125,36 @@ class GeneratorConfig(Vllm):
                       max_num_batched_tokens=max(self.max_model_len, CPU_BATCHED_TOKENS))
         else:
             kw.update(tensor_parallel_size=self.tensor_parallel, gpu_memory_utilization=self.gpu_memory_utilization)
+            kw.update(self.cuda_kernel_kwargs())
+        if self.max_num_seqs is not None:
+            kw["max_num_seqs"] = self.max_num_seqs
+        if self.mamba_ssm_cache_dtype != "auto":
+            kw["mamba_ssm_cache_dtype"] = self.mamba_ssm_cache_dtype
         if self.enable_lora:
             kw.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
             outside = hf_checkpoint.lora_targets_outside_experts(self.model)
             if outside is not None:
                 kw["lora_target_modules"] = outside
+        return kw
+
+
+    def cuda_kernel_kwargs(self) -> dict[str, Any]:
+        """What topology.generation pins of the engine's CUDA kernels and graphs (none: vLLM's choice),
+        as vllm.LLM takes them; set on cuda only (vLLM CPU has one attention and one MoE path, no graphs)."""
+        kw: dict[str, Any] = {}
+        if self.attention_backend is not None:
+            kw["attention_backend"] = self.attention_backend
+        if self.moe_backend != "auto":
+            kw["moe_backend"] = self.moe_backend
+        compilation: dict[str, Any] = {}
+        if self.cudagraph_mode is not None:
+            compilation["cudagraph_mode"] = self.cudagraph_mode
+        if self.cudagraph_capture_sizes is not None:
+            compilation["cudagraph_capture_sizes"] = list(self.cudagraph_capture_sizes)
+        if self.fuse_allreduce_rms is not None:
+            compilation["pass_config"] = {"fuse_allreduce_rms": self.fuse_allreduce_rms}
+        if compilation:
+            kw["compilation_config"] = compilation
         return kw
 
 
