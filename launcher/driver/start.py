@@ -105,9 +105,7 @@ def start(cfg: Config, plan: plan_mod.Plan, ctx: JobContext, startup: Startup, i
     log(f"model {cfg.model.name} at {model_dir}; starting {plan.train_world} trainer rank(s) and "
         f"{plan.engines} vLLM engine(s)")
     train_cfg = TrainerConfig.from_run_config(plain, str(model_dir))
-    gen_cfg = GeneratorConfig.from_sections(
-        str(model_dir), plain["vllm"], {"tensor_parallel": plan.generation_tp},
-        device=cfg.topology.device, refit_mode=cfg.refit.mode, seed=cfg.run.seed)
+    gen_cfg = GeneratorConfig.from_run_config(plain, str(model_dir), plan.generation_tp)
     # logprobs of the distribution tokens are sampled from (after grpo.temperature), what the trainer computes
     gen_cfg = dataclasses.replace(gen_cfg, logprobs_mode="processed_logprobs")
     requested, took = time.time(), []

@@ -73,12 +73,14 @@ def test_a_hybrid_model_runs_without_prefix_caching_on_every_device(device, tiny
 
 def _engine(device: str, model: str, *overrides: str) -> dict:
     """vllm.LLM's keyword arguments for `model` under the ultra_6n4g topology (on `device`), as the driver builds
-    the engine's config from the composed sections (launcher.driver.start)."""
+    the engine's config (launcher.driver.start: from the plain run config and the plan's engine TP)."""
     from dataclasses import asdict
 
+    from launcher import plan as plan_mod
+
     cfg = typed(compose(["topology=ultra_6n4g", f"topology.device={device}", *overrides]))
-    generation = asdict(cfg.topology.generation) | ({"tensor_parallel": 1} if device == "cpu" else {})
-    return GeneratorConfig.from_sections(model, asdict(cfg.vllm), generation, device=device).engine_kwargs()
+    tp = plan_mod.build(cfg.topology).generation_tp if device == "cuda" else 1
+    return GeneratorConfig.from_run_config(asdict(cfg), model, tp).engine_kwargs()
 
 
 ULTRA_ENGINE = {"attention_backend": "FLASH_ATTN", "max_num_seqs": 256, "mamba_ssm_cache_dtype": "float32",

@@ -85,6 +85,15 @@ class GeneratorConfig(Vllm):
             raise ValueError(f"GeneratorConfig: unknown keys {unknown}")
         return cls(model=str(model), device=device, enable_lora=(refit_mode == "adapter"), seed=seed, **values)
 
+    @classmethod
+    def from_run_config(cls, config: Mapping[str, Any], model: str, tensor_parallel: int) -> "GeneratorConfig":
+        """The engine of a run: the plain run config (dataclasses.asdict of the typed one), its `vllm:` section
+        and topology.generation's engine settings, with the plan's `tensor_parallel` (1 on cpu)."""
+        return cls.from_sections(model, config["vllm"], {**config["topology"]["generation"],
+                                                         "tensor_parallel": tensor_parallel},
+                                 device=config["topology"]["device"], refit_mode=config["refit"]["mode"],
+                                 seed=config["run"]["seed"])
+
     def eager(self) -> bool:
         """vllm.enforce_eager resolved: "auto" is eager on cpu and CUDA graphs on cuda. Graphs replay
         kernels on the addresses they captured; refit writes every weight in place (vLLM's layerwise
