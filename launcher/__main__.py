@@ -28,6 +28,7 @@ from launcher.config import compose as config_mod
 from launcher.config.compose import ConfigError
 from launcher.config import fields
 from launcher.config.schema import Config, typed
+from launcher import cli as cli_mod
 from launcher.cli import Parser
 from launcher.config.validate import validate
 from launcher.job import run_dir as run_dir_mod
@@ -183,8 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     """The command (and its sweep), under launcher.cli.run: every mistake in the options, the
     config, its files or a record read back (a checkpoint to resume) is one line, exit code 2,
     before anything is written or submitted."""
-    from launcher import cli as cli_mod
-
     return cli_mod.run(_main, argv)
 
 
@@ -206,7 +205,7 @@ def _main(argv: list[str] | None) -> int:
         r, errors = _resolve(overrides, printing=bool(opts.cfg))
         if errors:
             for e in errors:
-                print(f"error: {e}", file=sys.stderr)
+                cli_mod.error(e)
             return 2
         cfg, plan, run_dir, spec = r.cfg, r.plan, r.run_dir, r.spec
         if opts.cfg:
@@ -217,7 +216,7 @@ def _main(argv: list[str] | None) -> int:
             return 0
         run_dir_mod.prepare(cfg, r.raw, plan, run_dir, spec)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli_mod.error(e)
         return 2
     stop_mod.clear_stop_request(run_dir)  # a stop asked of an earlier job of this run is not for this one
     if not cfg.submit:  # any executor: write the run directory, run nothing
@@ -254,10 +253,9 @@ def _multirun(overrides: list[str], opts: argparse.Namespace) -> int:
         bad = len({p.index for p, _ in problems})
         for p, e in problems:
             last = "; nothing was written or submitted" if len(problems) == 1 else ""
-            print(f"error: point {p.index} ({p.label()}): {e}{last}", file=sys.stderr)
+            cli_mod.error(f"point {p.index} ({p.label()}): {e}{last}")
         if len(problems) > 1:
-            print(f"error: {bad} of {len(points)} sweep point(s) invalid; nothing was written or submitted",
-                  file=sys.stderr)
+            cli_mod.error(f"{bad} of {len(points)} sweep point(s) invalid; nothing was written or submitted")
         return 2
     for key in ("dry_run", "submit"):
         if len({getattr(r.cfg, key) for r in runs}) > 1:
@@ -279,7 +277,7 @@ def _multirun(overrides: list[str], opts: argparse.Namespace) -> int:
         try:
             run_dir_mod.check(r.cfg, r.run_dir)
         except ConfigError as e:
-            print(f"error: point {p.index} ({p.label()}): {e}; nothing was written or submitted", file=sys.stderr)
+            cli_mod.error(f"point {p.index} ({p.label()}): {e}; nothing was written or submitted")
             return 2
     for p, r in zip(points, runs):
         run_dir_mod.prepare(r.cfg, r.raw, r.plan, r.run_dir, r.spec, runs_here=False)
@@ -304,7 +302,7 @@ def _multirun(overrides: list[str], opts: argparse.Namespace) -> int:
                 job_id = _submit_job(r.cfg, r.plan, r.run_dir)
                 state = "submitted"
             except Exception as e:  # noqa: BLE001 - sbatch refused: say so, submit no further point
-                print(f"error: point {p.index}: submission failed: {_last_line(e)}", file=sys.stderr)
+                cli_mod.error(f"point {p.index}: submission failed: {_last_line(e)}")
                 state, rc = "submission failed", 1
         sweep_mod.record(sdir / paths.SWEEP_RECORD, p, r.run_dir, job_id, state)
         rows.append({"job_id": job_id, "state": state})
@@ -368,7 +366,7 @@ def _submit(cfg, plan, run_dir: Path) -> int:
     try:
         job_id = _submit_job(cfg, plan, run_dir)
     except Exception as e:  # sbatch refused (bad partition, no Slurm...): say what Slurm said
-        print(f"error: submission failed: {_last_line(e)}", file=sys.stderr)
+        cli_mod.error(f"submission failed: {_last_line(e)}")
         return 1
     log, _ = slurm_job.task_logs(run_dir, job_id)
     print(f"submitted job {job_id} ({len(plan.nodes)} nodes) for run {cfg.run.name}")
@@ -401,7 +399,7 @@ def _run_here(cfg, plan, run_dir: Path) -> int:
                     result = out.get("result") or {}
                     break
                 except ClusterError as e:
-                    print(f"error: {e}", file=sys.stderr, flush=True)
+                    cli_mod.error(f"{e}")
                     restarts = record_failure(run_dir, f"local-{os.getpid()}", e)
                     if restarts > cfg.retry.max_restarts or stop_mod.stopping():  # asked to stop: no restart
                         return 1

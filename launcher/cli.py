@@ -71,18 +71,45 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def one_line(e: BaseException) -> str:
+def one_line(e: BaseException | str) -> str:
+    """An error's text on one line that shows every character it holds: its lines joined (a library's
+    message of several lines), then each character a terminal line cannot show as itself written as
+    its escape (a value echoed from the command line or a file: a control character, \\x85, a lone
+    surrogate \\udcff)."""
     text = str(e).strip() or type(e).__name__
-    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    joined = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in joined)
+
+
+def error(e: BaseException | str) -> None:
+    """The one way a command says a mistake: `error: <one line>` on stderr."""
+    print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+
+
+def _not_text(argv: Sequence[str]) -> None:
+    """An argument that is not UTF-8 text (a byte the locale could not decode reaches Python as a lone
+    surrogate) is refused before anything reads it: it could be neither written to a file nor printed."""
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:
+            key = arg.partition("=")[0] if "=" in arg else "argument"
+            raise ConfigError(one_line(key), f"not UTF-8 text (character {e.start + 1} of {one_line(arg)[:80]!r}: "
+                                             f"a byte the locale could not decode)") from None
 
 
 def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None,
         user_errors: tuple[type[BaseException], ...] = ()) -> int:
-    """`main(argv)`, with every user mistake one line and exit code 2."""
+    """`main(argv)`, with every user mistake one line and exit code 2. Whatever the command prints
+    shows a character it cannot encode as its escape instead of ending in a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
+        _not_text(sys.argv[1:] if argv is None else argv)
         return main(argv)
     except (ConfigError, *user_errors) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        error(e)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -95,10 +122,10 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     except OSError as e:  # a path the OS refuses (a name too long, a symlink loop) that no check named first
         if e.filename is None:
             raise
-        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr, flush=True)
+        error(f"{e.filename}: {e.strerror or e}")
         return 2
     except RuntimeError as e:  # Python 3.11's Path.resolve() on a symlink loop
         if "Symlink loop" not in str(e):
             raise
-        print(f"error: {str(e).split(' from ', 1)[-1].strip(chr(39))}: a symlink loop", file=sys.stderr, flush=True)
+        error(f"{str(e).split(' from ', 1)[-1].strip(chr(39))}: a symlink loop")
         return 2

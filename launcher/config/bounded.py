@@ -157,11 +157,26 @@ def _shape_error(obj: Any, limit: int) -> str | None:
         else:
             if isinstance(x, int) and not isinstance(x, bool) and abs(x) > FLOAT_MAX:
                 return f"{at or 'the value'}: a number of {len(str(abs(x)))} digits (no field takes more than a float)"
+            if isinstance(x, str) and not _unicode(x):
+                return f"{at or 'the value'}: a string that is not Unicode text (a lone surrogate escape, \\ud800)"
             continue
         if d > limit:
             return f"nested more than {limit} levels deep"
-        todo.extend((v, d + 1, k) for k, v in items if isinstance(v, (dict, list, int)))
+        bad_key = next((k for k in (x if isinstance(x, dict) else ()) if isinstance(k, str) and not _unicode(k)), None)
+        if bad_key is not None:
+            return f"{at or 'the object'}: a key that is not Unicode text (a lone surrogate escape, \\ud800)"
+        todo.extend((v, d + 1, k) for k, v in items if isinstance(v, (dict, list, int, str)))
     return None
+
+
+def _unicode(text: str) -> bool:
+    """Whether `text` is Unicode text: JSON's \\ud800 escapes (and YAML's) give lone surrogates, which no
+    file or terminal can hold (printing or writing one raises)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # the floats JSON cannot hold, as Python's json writes them (literals) and as transformers 5 does
@@ -288,7 +303,10 @@ def parse_yaml(text: str, where: Path | str, nodes: int = YAML_NODES, depth: int
     """YAML text -> plain Python values with the safe loader, no aliases, bounded; FileError."""
     import yaml
 
-    loader = _loader()(text)
+    try:  # the loader reads its first characters when it is made: a control character is refused there
+        loader = _loader()(text)
+    except yaml.YAMLError as e:
+        raise FileError(where, "", f"not a config this launcher writes ({str(e).splitlines()[0]})") from None
     loader.budget, loader.max_depth = nodes, depth
     try:
         obj = loader.get_single_data()
