@@ -16,7 +16,8 @@ met (the position still advances over them) and counted.
 - `math_add` (for real models): "what is 12 + 25 ? give only the answer ." rewarded 1 when the
   first number in the answer is the sum (the reference's smoke prompt, with random operands).
 - `guess_number`: records {low, high, secret} for the multi-turn demo (env=guess_number,
-  launcher.driver.envs.guess_number): no prompt field, the environment writes the first message.
+  launcher.driver.envs.guess_number): no prompt field, the environment writes the first message;
+  `guess_number_val`: games of other ranges, its validation set (grpo.val_period=N runs them greedily).
 """
 
 from __future__ import annotations
@@ -48,7 +49,13 @@ def _guess_number(seed: int) -> list[dict]:
     return [{"low": lo, "high": lo + 9, "secret": lo + k} for lo in (10, 40, 70, 100) for k in range(10)]
 
 
-BUILTIN = {"say_number": _say_number, "math_add": _math_add, "guess_number": _guess_number}
+def _guess_number_val(seed: int) -> list[dict]:
+    """Games the training records do not hold (other ranges), for greedy validation episodes."""
+    return [{"low": lo, "high": lo + 9, "secret": lo + k} for lo in (20, 55, 85) for k in (1, 4, 8)]
+
+
+BUILTIN = {"say_number": _say_number, "math_add": _math_add, "guess_number": _guess_number,
+           "guess_number_val": _guess_number_val}
 
 
 @dataclass(frozen=True)

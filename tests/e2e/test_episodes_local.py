@@ -1,7 +1,8 @@
 """Multi-turn episodes end to end, as a user runs them (`python -m launcher env=guess_number`): the
 demo learns, vLLM's logprobs equal the trainer's on every model token of every turn, and a pipelined
 multi-turn run stopped with Ctrl-C while an episode is in flight, then resumed, logs exactly the rows
-of the uninterrupted run and ends with the same adapter and optimizer state, bitwise."""
+of the uninterrupted run and ends with the same adapter and optimizer state, bitwise; and episodes work with
+the rest: adapter refits, dynamic sampling, greedy validation."""
 
 from __future__ import annotations
 
@@ -48,3 +49,22 @@ def test_ctrl_c_during_a_pipelined_multi_turn_run_then_resume_equals_the_uninter
     p = launch(tmp_path / "b", *PIPELINED, *HELD_ENV, "+resume=latest")
     assert f"the rollouts of step(s) {k + 1} come from the checkpoint" in p.stdout
     assert_same_training(run_a, run.run_dir, 5)
+
+
+def test_episodes_with_adapter_refits_dynamic_sampling_and_greedy_validation(tmp_path):
+    """One run of the demo with what single-turn runs have besides (issue 33: "works with everything that
+    exists"): refit.mode=adapter (vLLM serves the LoRA weights, the base never moves), DAPO's dynamic sampling
+    over episode groups, and greedy validation episodes on the demo's validation games (data.validation:
+    guess_number_val). A run of its own: no shared run has these three together."""
+    launch(tmp_path, *DEMO, "refit.mode=adapter", "grpo.dynamic_sampling.enabled=true", "grpo.max_num_steps=3",
+           "grpo.val_period=3", "checkpointing.save_period=1000", "checkpointing.keep_top_k=null")
+    r = rows(tmp_path / NAME)
+    assert [x["step"] for x in r] == [1, 2, 3]
+    for x in r:
+        assert x["train/gen_kl_error"] < 1e-5, x  # adapter refits: vLLM's logprobs are the trainer's on every turn
+        assert 1 <= x["dynamic_sampling/gen_batches"] <= 4 and x["dynamic_sampling/kept_groups"] >= 0
+        assert x["env/turns"] >= 1.0 and x["reward/errors"] == 0
+    val = r[-1]
+    assert 0.0 <= val["val/reward"] <= 1.0 and val["val/reward_errors"] == 0
+    assert 1.0 <= val["val/env/turns"] <= 4.0 and val["val/env/episode_tokens"] > 0  # validation played episodes
+    assert not any(k.startswith("val/") for x in r[:-1] for k in x)  # every grpo.val_period=3 steps only

@@ -41,7 +41,7 @@ def files(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["data.train={dir}/nope.jsonl"], "data.train: {dir}/nope.jsonl: no such file"),
     (["data.train={dir}/q.txt"], "data.train: {dir}/q.txt: unknown format '.txt'; allowed: .jsonl, .json, .parquet, "
-                                 ".csv or a built-in set (say_number, math_add, guess_number)"),
+                                 ".csv or a built-in set (say_number, math_add, guess_number, guess_number_val)"),
     (["data.train={dir}/q.jsonl"], "data.prompt_key: {dir}/q.jsonl has no field 'prompt'; its fields: question, "
                                    "solution"),
     (["data.train={dir}/q.jsonl", "data.prompt_key=question"],
