@@ -76,9 +76,10 @@ def one_line(e: BaseException | str) -> str:
     message of several lines), then each character a terminal line cannot show as itself written as
     its escape (a value echoed from the command line or a file: a control character, \\x85, a lone
     surrogate \\udcff)."""
+    from launcher.shell import printable
+
     text = str(e).strip() or type(e).__name__
-    joined = " | ".join(line.strip() for line in text.splitlines() if line.strip())
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in joined)
+    return printable(" | ".join(line.strip() for line in text.splitlines() if line.strip()))
 
 
 def error(e: BaseException | str) -> None:
@@ -93,9 +94,11 @@ def _not_text(argv: Sequence[str]) -> None:
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError as e:
+            from launcher.shell import printable
+
             key = arg.partition("=")[0] if "=" in arg else "argument"
-            raise ConfigError(one_line(key), f"not UTF-8 text (character {e.start + 1} of {one_line(arg)[:80]!r}: "
-                                             f"a byte the locale could not decode)") from None
+            raise ConfigError(printable(key), f"not UTF-8 text (character {e.start + 1} of '{printable(arg)[:80]}': "
+                                              f"a byte the locale could not decode)") from None
 
 
 def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None,

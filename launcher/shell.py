@@ -55,6 +55,13 @@ def literal_tree(obj: object) -> object:
     return obj
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal line cannot show as itself (a newline, \\x0b, \\x85, a lone
+    surrogate \\udcff) written as its escape: a value echoed in a message stays on its line and shows what
+    it holds."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def override(key: str, value: object) -> str:
     """`key=value` as a Hydra override to paste onto a command line: one shell word. A value that is
     not a plain word (or reads as null, a boolean or a number) is made `literal` for OmegaConf first

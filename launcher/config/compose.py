@@ -168,13 +168,15 @@ def parse_overrides(overrides: list[str], hint: str = PARSE_HINT) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
+    from launcher.shell import printable
+
     parser = OverridesParser.create()
     out = []
     for o in overrides:
         try:
             out.extend(parser.parse_overrides([o]))
         except OverrideParseException:
-            raise ConfigError(o[:200], f"cannot parse this override ({hint})") from None
+            raise ConfigError(printable(o[:200]), f"cannot parse this override ({hint})") from None
         except ValueError as e:  # int("1" * 5000): Python's limit on the digits of a number
             raise ConfigError(o.partition("=")[0].lstrip("+~")[:200],
                               f"a number too long to read ({_first_line(e).split(';')[0]})") from None
