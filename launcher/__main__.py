@@ -399,7 +399,7 @@ def _run_here(cfg, plan, run_dir: Path) -> int:
                     result = out.get("result") or {}
                     break
                 except ClusterError as e:
-                    cli_mod.error(f"{e}")
+                    cli_mod.error(e)
                     restarts = record_failure(run_dir, f"local-{os.getpid()}", e)
                     if restarts > cfg.retry.max_restarts or stop_mod.stopping():  # asked to stop: no restart
                         return 1

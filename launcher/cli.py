@@ -24,6 +24,7 @@ import sys
 from typing import Callable, NoReturn, Sequence
 
 from launcher.config.schema import ConfigError
+from launcher.shell import printable
 
 
 class UsageError(ConfigError):
@@ -76,8 +77,6 @@ def one_line(e: BaseException | str) -> str:
     message of several lines), then each character a terminal line cannot show as itself written as
     its escape (a value echoed from the command line or a file: a control character, \\x85, a lone
     surrogate \\udcff)."""
-    from launcher.shell import printable
-
     text = str(e).strip() or type(e).__name__
     return printable(" | ".join(line.strip() for line in text.splitlines() if line.strip()))
 
@@ -94,8 +93,6 @@ def _not_text(argv: Sequence[str]) -> None:
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError as e:
-            from launcher.shell import printable
-
             key = arg.partition("=")[0] if "=" in arg else "argument"
             raise ConfigError(printable(key), f"not UTF-8 text (character {e.start + 1} of '{printable(arg)[:80]}': "
                                               f"a byte the locale could not decode)") from None
