@@ -50,23 +50,36 @@ def test_preflight_of_a_healthy_cpu_topology_passes(slurm_cluster, tmp_path):
     assert "preflight passed: 3 node(s) checked, 3 actors on their planned nodes" in log
 
 
+def _slurmd_pid(pidfile: Path) -> int | None:
+    """The pid in `pidfile` when it names a running slurmd, else None."""
+    try:
+        pid = int(pidfile.read_text().strip() or 0)
+        return pid if pid and Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd" else None
+    except (OSError, ValueError):
+        return None
+
+
 def _slurmd(cluster, node: str, mask: Path | None) -> None:
     """(Re)start `node`'s slurmd; with `mask`, in a private mount namespace with a tmpfs over it."""
     pidfile = cluster.root / "pids" / f"slurmd-{node}.pid"
-    if pidfile.exists():
-        pid = int(pidfile.read_text().strip() or 0)
-        if pid and Path(f"/proc/{pid}/comm").exists() and Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd":
-            os.kill(pid, 15)
-            for _ in range(100):
-                if not Path(f"/proc/{pid}").exists():
-                    break
-                time.sleep(0.1)
+    pid = _slurmd_pid(pidfile)
+    if pid:
+        os.kill(pid, 15)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            time.sleep(0.1)
     inner = f"hostname {node} && " + (f"mount -t tmpfs preflight-mask {mask} && " if mask else "") + \
         f"exec slurmd -N {node}"
     ns = ["unshare", "--uts"] + (["--mount", "--propagation", "slave"] if mask else [])
     subprocess.run(["nsenter", f"--net=/run/netns/{NS}{node}", *ns, "sh", "-c", inner], check=True, timeout=30,
                    env={**os.environ, "SLURM_CONF": str(cluster.conf)})
     end = time.monotonic() + 60
+    # the daemon writes its pid file after the command that started it returns, and sinfo may still show
+    # the old slurmd's state: wait for the new one's pid first
+    while _slurmd_pid(pidfile) in (None, pid):
+        assert time.monotonic() < end, f"{node}'s new slurmd wrote no pid file ({pidfile})"
+        time.sleep(0.1)
     while node not in cluster.run("sinfo", "-h", "-N", "-t", "idle", "-o", "%N", check=False).split():
         assert time.monotonic() < end, cluster.run("sinfo", "-N", check=False)
         time.sleep(0.3)
@@ -78,7 +91,7 @@ def node2_without_runs(slurm_cluster, tmp_path):
     root.mkdir()
     _slurmd(slurm_cluster, "node2", mask=root)
     # what node2 now sees at that path: an empty filesystem of its own
-    out = subprocess.run(["nsenter", "-t", (slurm_cluster.root / "pids" / "slurmd-node2.pid").read_text().strip(),
+    out = subprocess.run(["nsenter", "-t", str(_slurmd_pid(slurm_cluster.root / "pids" / "slurmd-node2.pid")),
                           "-m", "stat", "-f", "-c", "%T", str(root)], capture_output=True, text=True)
     assert out.stdout.strip() == "tmpfs", out.stdout + out.stderr
     try:
