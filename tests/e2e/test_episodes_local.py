@@ -1,27 +1,26 @@
 """Multi-turn episodes end to end, as a user runs them (`python -m launcher env=guess_number`): the
 demo learns, vLLM's logprobs equal the trainer's on every model token of every turn, and a pipelined
 multi-turn run stopped with Ctrl-C while an episode is in flight, then resumed, logs exactly the rows
-of the uninterrupted run and ends with the same adapter and optimizer state, bitwise; and episodes work with
-the rest: adapter refits, dynamic sampling, greedy validation."""
+of the uninterrupted run and ends with the same adapter and optimizer state, bitwise (with delta refits:
+the engines' weights after a resume come from a full push, every later step's from deltas); and episodes
+work with the rest: adapter refits, dynamic sampling, greedy validation. Slurm preemption of a
+multi-turn run: tests/slurm/test_grpo_on_slurm.py."""
 
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import held_env
-from tests.helpers.held_step import ctrl_c_while_held
+from tests.helpers.held_step import HELD_ENV, ctrl_c_while_held
 from tests.helpers.runs import Background, assert_same_training, launch, rows
 
 pytestmark = pytest.mark.e2e
 NAME = "local-tiny_llama_chat"
 STEPS = 40   # the demo's default run (grpo=demo)
 DEMO = ["env=guess_number", "logging.tensorboard=false"]
-PIPELINED = ["env=guess_number", "grpo.pipeline.enabled=true", "grpo.max_num_steps=5",
+PIPELINED = ["env=guess_number", "refit=merged_delta", "grpo.pipeline.enabled=true", "grpo.max_num_steps=5",
              "checkpointing.save_period=1000", "checkpointing.keep_top_k=null", "logging.tensorboard=false"]
-HELD_ENV = [f"env.fn={Path(held_env.__file__).resolve()}:HeldGuess", "reward.timeout_s=600"]
 
 
 def test_the_guess_number_demo_runs_multi_turn_episodes_and_learns(tmp_path):
@@ -49,6 +48,10 @@ def test_ctrl_c_during_a_pipelined_multi_turn_run_then_resume_equals_the_uninter
     p = launch(tmp_path / "b", *PIPELINED, *HELD_ENV, "+resume=latest")
     assert f"the rollouts of step(s) {k + 1} come from the checkpoint" in p.stdout
     assert_same_training(run_a, run.run_dir, 5)
+    # with delta refits: the engines after the resume (a full push, then deltas) sample and score as the
+    # uninterrupted run's (deltas throughout): the rows above are equal, pipeline/off_policy_kl included;
+    # the one on-policy step (1) is exact on every model token of every turn
+    assert rows(run.run_dir)[0]["train/gen_kl_error"] < 1e-5
 
 
 def test_episodes_with_adapter_refits_dynamic_sampling_and_greedy_validation(tmp_path):

@@ -1,5 +1,5 @@
 """Acting on a run at a known step. A run with HELD_REWARD (tests/helpers/held_reward.py) waits in
-the rewards of step HELD_STEP until `release(run)`: a test signals, kills or stops something while
+the rewards of step HELD_STEP until `release(run)` (with HELD_ENV, in its episodes' environment): a test signals, kills or stops something while
 that step runs, on a machine of any speed (a poll for "N steps logged" can find the run finished)."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tests.helpers import held_reward
+from tests.helpers import held_env, held_reward
 
 HELD_REWARD = [f"reward.fn={Path(held_reward.__file__).resolve()}:reward", "reward.timeout_s=600"]
+# the multi-turn demo whose environment's answers wait the same way (tests/helpers/held_env.py)
+HELD_ENV = ["env=guess_number", f"env.fn={Path(held_env.__file__).resolve()}:HeldGuess", "reward.timeout_s=600"]
 HELD_STEP = held_reward.HOLD_AFTER_STEPS + 1
 
 
