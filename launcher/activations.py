@@ -14,12 +14,17 @@ expert's width, L the latent width, or h without LatentMoE):
   every layer        its input h (the residual stream) and its norm's output h; `layernorm`
                      recompute drops the norm's output where the norm is a module of its own
                      (Transformer Engine fuses the attention's and the dense MLP's norm into their
-                     first linear: only the MoE layers' pre-MLP norm is recomputed)
+                     first linear: only the MoE layers' pre-MLP norm is recomputed; the local spec's
+                     attention and MLP norms are modules too; megatron's MambaLayer recomputes none)
   attention  *       Q, K, V ((heads + 2 KV heads) x head_dim) and the context (heads x head_dim);
                      megatron's local and unfused attention also keep the probabilities (heads x
-                     sequence per token) unless `core_attn` is recomputed; flash and fused keep none
+                     sequence per token) unless `core_attn` is recomputed; flash, fused and auto
+                     (Transformer Engine's pick of those two) keep none
   Mamba-2    M       mamba_ssm's fused split-conv1d-scan keeps in_proj's output (2 x inner + 2 x groups
-                     x state + heads), the scan's output (inner) and out_proj's input (inner)
+                     x state + heads) and the scan's output before the gate (inner: out_x); megatron's
+                     MambaMixer runs the gated RMSNorm outside that kernel (`self.norm(y)`), which keeps
+                     its input, the gated output (inner: layernorm_gated.LayerNormFn saves x); out_proj
+                     keeps the norm's output (inner)
   MLP        -       fc1's output (x 2 for a gated MLP) and the activation's output; none with `mlp`
   MoE        E       the router's logits and scores (2 x experts, fp32); the dispatch: k copies of
                      each token's L (its input at the experts); the experts' fc1 output and activation
@@ -38,9 +43,12 @@ expert's width, L the latent width, or h without LatentMoE):
 
 Per rank everything is divided by TP (sequence parallelism splits the h-wide terms, TP the heads
 and widths), except the h-wide terms without sequence parallelism; experts' widths by ETP, the
-routed tokens spread evenly over EP. Pipeline parallelism: the first stage holds min(PP,
-micro-batches) micro-batches of its 1/PP of the layers. MTP layers are not counted: the trainer
-builds none (docs/nemotron_h.md). Not modelled: the backward's transient gradients, allocator
+routed tokens spread evenly over EP. The layer spec: Transformer Engine's on cuda (the plan assumes
+the nodes have it; the preflight checks), else the local one, as workers.trainer.provider_settings
+builds it on CPU and on a CUDA node without it: megatron's local attention, no `moe_act` recompute
+(no grouped GEMM), every norm a module of its own. Pipeline parallelism: the first stage holds
+min(PP, micro-batches) micro-batches of its 1/PP of the layers. MTP layers are not counted: the
+trainer builds none (docs/nemotron_h.md). Not modelled: the backward's transient gradients, allocator
 fragmentation, the dispatcher's workspace, a router's imbalance: the plan keeps a margin
 (launcher.memory).
 """
@@ -127,11 +135,12 @@ class Shape:
                    mamba_state=int(ff.get("ssm_state_size", 0) or 0), vocab=vocab)
 
 
-def layer_bytes(symbol: str, s: Shape, dtype: int, sequence: int, backend: str, modules: tuple[str, ...]
-                ) -> dict[str, float]:
-    """Bytes one layer of kind `symbol` keeps per token, at full width (before TP), by part."""
+def layer_bytes(symbol: str, s: Shape, dtype: int, sequence: int, backend: str, modules: tuple[str, ...],
+                te: bool = True) -> dict[str, float]:
+    """Bytes one layer of kind `symbol` keeps per token, at full width (before TP), by part (te: Transformer
+    Engine's layer spec, which fuses the attention's and the MLP's norm into their first linear)."""
     h, d = s.hidden, dtype
-    norm_recomputed = symbol == "E" and "layernorm" in modules
+    norm_recomputed = "layernorm" in modules and (symbol == "E" or (not te and symbol in "*-"))
     out = {"input and norm": h * d * (1 if norm_recomputed else 2)}
     if symbol == "*":
         out["attention"] = (2 * s.heads + 2 * s.kv_heads) * s.head_dim * d
@@ -139,7 +148,7 @@ def layer_bytes(symbol: str, s: Shape, dtype: int, sequence: int, backend: str, 
             out["attention probabilities"] = s.heads * sequence * d
     elif symbol == "M":
         inner = s.mamba_heads * s.mamba_head_dim
-        out["Mamba"] = (2 * inner + 2 * s.mamba_groups * s.mamba_state + s.mamba_heads + 2 * inner) * d
+        out["Mamba"] = (2 * inner + 2 * s.mamba_groups * s.mamba_state + s.mamba_heads + 3 * inner) * d
     elif symbol == "-" and "mlp" not in modules:
         out["MLP"] = (3 if s.gated else 2) * s.ffn * d
     elif symbol == "E":
@@ -157,8 +166,9 @@ def layer_bytes(symbol: str, s: Shape, dtype: int, sequence: int, backend: str, 
     return out
 
 
-def estimate(cfg: Config, plan, vocab: int | None) -> Activations | None:
-    """The activations of one trainer rank (plan: launcher.plan.build), or None without the facts."""
+def estimate(cfg: Config, plan, vocab: int | None, transformer_engine: bool = True) -> Activations | None:
+    """The activations of one trainer rank (plan: launcher.plan.build), or None without the facts;
+    transformer_engine=False: as on a CUDA node without it (the module docstring)."""
     shape = Shape.of(cfg, vocab or 0)
     if shape is None:
         return None
@@ -171,8 +181,9 @@ def estimate(cfg: Config, plan, vocab: int | None) -> Activations | None:
     micro = t.micro_batch_size or shard
     micro_batches = math.ceil(shard / micro)
     tokens = micro * sequence
-    backend = "local" if cfg.topology.device != "cuda" else t.attention_backend
-    modules = selective_modules() if t.recompute == "selective" else ()
+    te = cfg.topology.device == "cuda" and transformer_engine  # as workers.trainer.provider_settings builds it
+    backend = t.attention_backend if te else "local"
+    modules = selective_modules(grouped_gemm=te) if t.recompute == "selective" else ()
     h_split = tp if sp else 1  # the h-wide terms are split over TP only with sequence parallelism
 
     def per_rank(part: str, b: float) -> float:
@@ -183,7 +194,7 @@ def estimate(cfg: Config, plan, vocab: int | None) -> Activations | None:
     def unit_parts(unit: str, recomputed: tuple[str, ...]) -> dict[str, float]:
         parts: dict[str, float] = {}
         for sym in unit:
-            for p, b in layer_bytes(sym, shape, d, sequence, backend, recomputed).items():
+            for p, b in layer_bytes(sym, shape, d, sequence, backend, recomputed, te).items():
                 parts[p] = parts.get(p, 0.0) + per_rank(p, b)
         return parts
 

@@ -2,25 +2,28 @@
 anything is submitted (launcher.plan places the actors; this says whether they fit).
 
 Per trainer rank: the weights (dense parameters split over TP x PP, routed experts over EP x ETP x
-PP), the gradient buffers and Adam's state of what trains (LoRA factors, or everything without
-LoRA; the distributed optimizer splits Adam over data parallelism), refit's buffers (rank 0 packs
-one bucket on the GPU while the export holds one bucket's worth of tensors), a fixed reserve for
-the CUDA context and NCCL communicators, and the activations of one micro-batch
-(launcher.activations: per layer kind, `topology.train.recompute`, the MoE dispatch, the fp32
-logits); what is left must be at least ACTIVATION_MARGIN of them (what the estimate leaves out:
-the backward's transient gradients, the allocator's fragmentation, a frozen router's imbalance).
-A plan that does not fit names the first of micro_batch_size=1, recompute=selective,
-recompute=full that would, else the parallel sizes. MTP layers (`mtp.*`) are in neither role:
-the trainer builds none (docs/nemotron_h.md), vLLM's Nemotron-H skips them without speculative
-decoding. Per vLLM worker: vLLM takes `vllm.gpu_memory_utilization` of the GPU for its weights
-(every parameter over TP: vLLM shards experts by TP), its profiled activations and the KV cache,
-which must hold at least one sequence of max_model_len (K and V of every attention layer, and a
+PP, those every TP rank holds whole over PP: moe_replicated_parameters), the gradient buffers and
+Adam's state of what trains (LoRA factors, or everything without LoRA; the distributed optimizer
+splits Adam over data parallelism), refit's buffers (rank 0 packs one bucket on the GPU while the
+export holds one bucket's worth of tensors), a fixed reserve for the CUDA context and NCCL
+communicators, and the activations of one micro-batch (launcher.activations: per layer kind,
+`topology.train.recompute`, the MoE dispatch, the fp32 logits); what is left must be at least
+ACTIVATION_MARGIN of them (what the estimate leaves out: the backward's transient gradients, the
+allocator's fragmentation, a frozen router's imbalance). A plan that does not fit names the first
+of micro_batch_size=1, recompute=selective, recompute=full that would, else the parallel sizes.
+MTP layers (`mtp.*`) are in neither role: the trainer builds none (docs/nemotron_h.md), vLLM's
+Nemotron-H skips them without speculative decoding. Per vLLM worker: vLLM takes
+`vllm.gpu_memory_utilization` of the GPU for its weights (every parameter over TP, vLLM shards
+experts by TP, but the replicated ones whole), its profiled activations and the KV cache, which
+must hold at least one sequence of max_model_len (K and V of every attention layer, and a
 hybrid's Mamba state: conv state in the dtype, SSM state in float32, vLLM's default for
-Nemotron-H) or vLLM refuses to start. Refit allocates
-outside that budget, after the KV cache exists: the broadcast buckets and, in a merged refit, what
-vLLM's layerwise reload buffers (vllm/model_executor/model_loader/reload/layerwise.py keeps every
-tensor a layer receives until the layer is complete: one MoE layer's unsharded experts);
-merged_delta keeps its base tensors in host memory and moves one module at a time
+Nemotron-H) or vLLM refuses to start. Refit allocates outside that budget, after the KV cache
+exists: the broadcast buckets and, in a merged refit, what vLLM's layerwise reload buffers
+(vllm/model_executor/model_loader/reload/layerwise.py keeps every tensor a layer receives until
+the layer is complete: one MoE layer's unsharded experts) and the layer it then materialises to
+load them into (`_layerwise_process`: `materialize_layer` allocates the module's own parameters,
+its TP shard, while the buffered tensors are held; both go once copied into the kernel's
+tensors); merged_delta keeps its base tensors in host memory and moves one module at a time
 (workers.refit.vllm_extension), an adapter refit writes files. A plan that cannot fit is refused
 in one line naming the key to change (validate.py calls `check`).
 
@@ -51,6 +54,7 @@ ENGINE_ACTIVATIONS_GIB = 4.0    # vLLM's profiled forward (inside its budget; CU
                                 # and takes them out of the KV cache)
 REFIT_GROUP_GIB = 0.5           # the refit group's NCCL communicator on a vLLM worker (outside vLLM's budget)
 _EXPERT = re.compile(r"\.experts\.")          # routed experts (shared_experts are dense)
+_REPLICATED = re.compile(r"layers\.\d+\.(?:mixer|mlp)\.(?:gate|fc[12]_latent_proj)\.")  # moe_replicated_parameters
 _LAYER_MODULE = re.compile(r"^(.*?layers\.\d+\.(?:mixer|mlp)\.experts)\.")  # one MoE layer's experts: one vLLM module
 _MTP = re.compile(r"^mtp\.")                  # MTP layers: neither the trainer nor vLLM loads them (module docstring)
 _EMBEDDING = re.compile(r"embed")             # the input embedding: its rows are the vocabulary
@@ -69,6 +73,7 @@ class ModelSize:
     source: str                     # where the numbers came from (printed)
     vocab_size: int | None = None   # the embedding's rows (the logits' width); None: not known
     mtp_parameters: int = 0         # MTP layers' weights, not in `parameters` (module docstring)
+    replicated_parameters: int = 0  # of `parameters`, those every TP rank holds whole (moe_replicated_parameters)
 
 
 def model_size(cfg: Config) -> ModelSize | None:
@@ -95,7 +100,9 @@ def model_size(cfg: Config) -> ModelSize | None:
         return ModelSize(parameters=s.parameters - mtp, expert_parameters=experts,
                          largest_module_parameters=max(math.ceil(experts / moe_layers), qkv),
                          attention_layers=s.attention_layers or attention, source="model.size",
-                         vocab_size=s.vocab_size, mtp_parameters=mtp, **heads)
+                         vocab_size=s.vocab_size, mtp_parameters=mtp,
+                         replicated_parameters=moe_layers * moe_replicated_parameters(m) if experts else 0,
+                         **heads)
     if m.path is None and m.builtin in BUILTIN_MODELS:
         return _from_recipe(m, attention, heads)
     return None
@@ -119,6 +126,7 @@ def _from_checkpoint(path: Path, attention: int, heads: dict) -> ModelSize:
     mtp = sum(n for name, n in sizes.items() if _MTP.match(name))
     sizes = {name: n for name, n in sizes.items() if not _MTP.match(name)}
     experts = sum(n for name, n in sizes.items() if _EXPERT.search(name))
+    replicated = sum(n for name, n in sizes.items() if _REPLICATED.search(name)) if experts else 0
     modules: dict[str, int] = {}
     for name, n in sizes.items():
         moe = _LAYER_MODULE.match(name)
@@ -129,7 +137,7 @@ def _from_checkpoint(path: Path, attention: int, heads: dict) -> ModelSize:
     return ModelSize(parameters=sum(sizes.values()), expert_parameters=experts,
                      largest_module_parameters=max(modules.values(), default=0), attention_layers=attention,
                      source=f"{path} (safetensors headers)", vocab_size=max(embedding, default=None),
-                     mtp_parameters=mtp, **heads)
+                     mtp_parameters=mtp, replicated_parameters=replicated, **heads)
 
 
 def _from_recipe(m, attention: int, heads: dict) -> ModelSize:
@@ -168,7 +176,17 @@ def layer_parameters(symbol: str, m) -> tuple[int, int]:
     shared_experts = ff.get("n_shared_experts", 1)
     shared = 2 * h * (ff.get("moe_shared_expert_intermediate_size", 0) or 0) * (1 if shared_experts is None
                                                                                else shared_experts)
-    return routed + shared + 2 * h * latent + experts * h + experts + h, routed
+    return routed + shared + moe_replicated_parameters(m) + experts + h, routed
+
+
+def moe_replicated_parameters(m) -> int:
+    """The weights of one MoE layer that megatron and vLLM both keep whole on every TP rank (a plan that
+    divided them by TP under-counted both roles): LatentMoE's fc1_latent_proj and fc2_latent_proj (hidden
+    x latent each: megatron-core's MoELayer builds them TELinear(parallel_mode="duplicated"), vLLM's
+    NemotronHMoE ReplicatedLinear) and the router (experts x hidden: megatron's Router.weight, a plain
+    Parameter; vLLM's GateLinear, a ReplicatedLinear). A checkpoint's are read by name (_REPLICATED)."""
+    latent = (m.family_facts or {}).get("moe_latent_size", 0) or 0
+    return 2 * m.hidden_size * latent + (m.num_experts or 0) * m.hidden_size
 
 
 def mtp_parameters(m) -> tuple[int, int]:
@@ -298,8 +316,10 @@ def _activations_error(cfg: Config, plan, size: ModelSize, gpu: float, state: fl
 def _trainer_state(cfg: Config, plan, size: ModelSize) -> list[Line]:
     """Weights, gradients, Adam, refit and the CUDA context of one trainer rank (everything but activations)."""
     dtype = DTYPE_BYTES.get(cfg.model.dtype, 4)
-    dense = size.parameters - size.expert_parameters
-    local = dense / (plan.tp * plan.pp) + size.expert_parameters / (plan.ep * plan.etp * plan.pp)
+    whole = size.replicated_parameters  # on every TP rank (moe_replicated_parameters)
+    dense = size.parameters - size.expert_parameters - whole
+    local = (dense / (plan.tp * plan.pp) + whole / plan.pp
+             + size.expert_parameters / (plan.ep * plan.etp * plan.pp))
     trainable = _lora_parameters(cfg, size) / plan.tp if cfg.peft.enabled else local
     adam = (12 if dtype < 4 else 8) * trainable
     distributed = cfg.optim.use_distributed_optimizer in ("auto", True)  # auto: on cuda
@@ -323,22 +343,24 @@ def _engine(cfg: Config, plan, size: ModelSize, gpu: float) -> tuple:
     mamba_one = mamba_state_bytes(cfg.model, tp, dtype) / GIB
     sequences = math.ceil(cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / plan.engines)
     kv_batch = (kv_token * cfg.grpo.max_total_sequence_length / GIB + mamba_one) * sequences
-    inside = [Line(f"weights (TP {tp})", size.parameters * dtype / tp / GIB),
+    whole = size.replicated_parameters  # on every TP rank (moe_replicated_parameters)
+    inside = [Line(f"weights (TP {tp})", ((size.parameters - whole) / tp + whole) * dtype / GIB),
               Line("activations", ENGINE_ACTIVATIONS_GIB),
               Line("KV of one max_model_len sequence", kv_one)]
     if mamba_one:
         inside.append(Line("Mamba state of one sequence", mamba_one))
     bucket = cfg.refit.bucket_mb * 2**20 / GIB
     mode = cfg.refit.mode
-    if mode == "merged":
-        reload = Line("merged refit: one module's weights held by vLLM's layerwise reload",
-                      size.largest_module_parameters * dtype / GIB)
+    if mode == "merged":  # the module's weights as received (unsharded), and its own TP shard it loads them into
+        reload = [Line("merged refit: one module's weights held by vLLM's layerwise reload",
+                       size.largest_module_parameters * dtype / GIB),
+                  Line(f"the layer it materialises (TP {tp})", size.largest_module_parameters * dtype / tp / GIB)]
     elif mode == "merged_delta":
         qkv = size.hidden_size * (size.num_attention_heads + 2 * size.kv_heads) * size.head_dim
-        reload = Line("merged_delta: one module's base and weights", 2 * qkv * dtype / GIB)
+        reload = [Line("merged_delta: one module's base and weights", 2 * qkv * dtype / GIB)]
     else:
-        reload = Line("adapter refit: LoRA factors", 0.0)
-    outside = [Line("refit buckets", 2 * bucket), reload, Line("refit group", REFIT_GROUP_GIB)]
+        reload = [Line("adapter refit: LoRA factors", 0.0)]
+    outside = [Line("refit buckets", 2 * bucket), *reload, Line("refit group", REFIT_GROUP_GIB)]
     need_in, need_out = sum(x.gib for x in inside), sum(x.gib for x in outside)
     notes, errors = [], []
     if need_in + need_out > gpu:
