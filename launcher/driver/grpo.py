@@ -164,6 +164,10 @@ class GrpoRun:
         cfg = self.cfg
         g = cfg.grpo
         step, position, ahead = self.resume() if cfg.resume else (0, 0, [])
+        why = pipeline.engines_hold_w0(cfg)
+        if why and self.refit.generators_version is None:
+            self.refit.generators_version = 0
+            log(f"no refit before step 1: {why}")
         self.pipeline = pipeline.Pipeline(cfg, self.generators, self.refit, self.data.prompts, self.rewards,
                                           self.lag, step, position, ahead, progress=self.ctx.progress)
         metrics = MetricsLogger(self.run_dir, cfg.logging, g.max_num_steps, resumed_step=step)

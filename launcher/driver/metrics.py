@@ -84,15 +84,17 @@ def summary(rows: list[dict]) -> str:
     k = max(1, min(3, len(rows) // 3))
     start = sum(r[names.REWARD] for r in rows[:k]) / k
     end = sum(r[names.REWARD] for r in rows[-k:]) / k
-    mean = lambda key: sum(float(r.get(key, 0.0)) for r in rows) / len(rows)  # noqa: E731
+    mean = lambda key, of=rows: sum(float(r.get(key, 0.0)) for r in of) / max(1, len(of))  # noqa: E731
+    refits = [r for r in rows if r.get(names.REFIT_BYTES)]  # steps the engines were refit before (not all)
     lines = [
         f"{'steps':<34} {first['step']} -> {last['step']}",
         f"{'reward (first -> last ' + str(k) + ' steps)':<34} {start:.3f} -> {end:.3f}",
         f"{'max gen_kl_error':<34} {_max(rows, names.GEN_KL_ERROR, '.3e')}",
         f"{'max token_mult_prob_error':<34} {_max(rows, names.TOKEN_MULT_PROB_ERROR, '.6f')}",
         f"{'seconds per step (mean)':<34} {mean(names.STEP_TIME):.2f}",
-        f"{'seconds per refit (mean)':<34} {mean(names.REFIT_TIME):.3f}",
-        f"{'bytes per refit':<34} {int(mean(names.REFIT_BYTES)):,}",
+        f"{'refits':<34} {len(refits)} of {len(rows)} steps",
+        f"{'seconds per refit (mean)':<34} {mean(names.REFIT_TIME, refits):.3f}",
+        f"{'bytes per refit':<34} {int(mean(names.REFIT_BYTES, refits)):,}",
     ]
     val = validation_points(rows)
     if val:

@@ -32,6 +32,9 @@ and launches N+k+1 with W_N, as the uninterrupted run does, so it logs the same 
 every request is seeded). A checkpoint without them (written with the pipeline off, another
 max_lag or other sampling settings; or a run continued past its max_num_steps, which generated
 nothing ahead) restarts the schedule at N: rollouts N+1..N+1+k come from W_N, and the log says so.
+
+Step 1. A fresh run's engines come up holding W_0 (`engines_hold_w0`): the first refit is the one
+before the rollout that needs W_1.
 """
 
 from __future__ import annotations
@@ -53,6 +56,21 @@ from launcher.driver.rollout import Rollout, collect, validation
 def version_for(step: int, lag: int, restart: int = 0) -> int:
     """The weights version that generates the rollout of `step` (module docstring)."""
     return max(restart, step - 1 - lag)
+
+
+def engines_hold_w0(cfg: Config) -> str | None:
+    """Why the engines already hold W_0 when they come up, so no refit precedes step 1 (a merged refit
+    of the reference recipe moves 1.1 TB); None when they do not. They loaded model.path, which the
+    trainers start from, and merged weights at version 0 are those weights bitwise: full fine-tuning,
+    or LoRA with a zero factor (B = 0, the default), whose delta W + (alpha/r) B A adds zeros. Not on
+    a resume (the trainers hold W_step), nor in refit.mode=adapter (the engines serve no adapter until
+    the first refit registers one)."""
+    if cfg.resume or cfg.refit.mode == "adapter":
+        return None
+    if not cfg.peft.enabled:
+        return "full fine-tuning starts from model.path, which the engines loaded"
+    zero = [f"lora_{f}_init_method" for f in ("A", "B") if getattr(cfg.peft, f"lora_{f}_init_method") == "zero"]
+    return f"the engines loaded model.path and LoRA adds nothing yet (peft.{zero[0]}=zero)" if zero else None
 
 
 def refit_metrics(report) -> dict:

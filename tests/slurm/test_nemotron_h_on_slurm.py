@@ -33,5 +33,5 @@ def test_nemotron_h_job_at_ep2_over_two_nodes_finishes_with_exact_refits_and_che
     plan = (run / "plan.txt").read_text()
     assert "EP 2" in plan, plan
     rows = finished(slurm_cluster, job, run, STEPS)
-    # the generator got exactly the trained weights on every step
-    assert all(r["train/gen_kl_error"] < 1e-5 and r["refit/bytes"] > 0 for r in rows), rows
+    # the generator got exactly the trained weights on every step (step 1: those it loaded, the trainers' W_0)
+    assert all(r["train/gen_kl_error"] < 1e-5 and (r["refit/bytes"] > 0) == (r["step"] > 1) for r in rows), rows

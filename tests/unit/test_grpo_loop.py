@@ -99,7 +99,7 @@ class FakeTrainers:
 class FakeGenerators:
     def __init__(self, clock: Clock, events: list):
         self.clock, self.events = clock, events
-        self.version: int | None = None
+        self.version: int | None = 0   # a fresh engine loaded model.path: the trainers' W_0 (pipeline.engines_hold_w0)
         self.busy = False
         self.infos = [contracts.GeneratorInfo(pid=2, hostname="fake", start_seconds=0.0, startup=[], model="fake",
                                               device="cpu", enable_lora=False, adapter_id=0)]
@@ -227,17 +227,35 @@ def test_which_weights_generate_which_step(lag):
 
 def test_sync_loop_refits_then_generates_each_step_with_the_last_weights(tmp_path):
     run = Run(tmp_path, "sync", "grpo.max_num_steps=4", "checkpointing.enabled=false")
-    # per step: the weights of the step before reach the generators, then the step is generated and trained
-    expected = []
-    for step in range(1, 5):
+    # per step: the weights of the step before reach the generators, then the step is generated and trained;
+    # before step 1 none: the engines loaded W_0 (model.path, LoRA's B zero)
+    expected = [("generate", 0, "sample")]
+    for step in range(2, 5):
         expected += [("refit", step - 1), ("generate", step - 1, "sample")]
     assert [e[:3] for e in run.engine_log()] == expected
     rows = run.rows()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["train/gen_kl_error"] == 0.0 and r["train/token_mult_prob_error"] == 1.0
-        assert r["refit/bytes"] == 100 and not any(k.startswith("pipeline/") for k in r)
+        assert r["refit/bytes"] == (0 if r["step"] == 1 else 100) and not any(k.startswith("pipeline/") for k in r)
         assert "timing/exposed_generation" not in r
+    assert "refits                             3 of 4 steps" in (run.dir / "summary.txt").read_text()
+
+
+@pytest.mark.parametrize("overrides, first_refit", [
+    ((), None),                                             # LoRA, B = 0: merged W_0 is model.path bitwise
+    (("refit=merged_delta",), None),
+    (("peft=none",), None),                                 # full fine-tuning starts from model.path
+    (("peft.lora_A_init_method=zero", "peft.lora_B_init_method=xavier"), None),
+    (("peft.lora_B_init_method=xavier",), 0),               # W_0 = W + (alpha/r) B A is not model.path
+    (("refit=adapter",), 0),                                # the engines serve no adapter until a refit sends one
+])
+def test_no_refit_before_step_1_when_the_engines_loaded_the_trainers_starting_weights(tmp_path, overrides, first_refit):
+    """Issue 44: the reference recipe's first merged refit would move 1.1 TB of unchanged weights."""
+    run = Run(tmp_path, "w0", "grpo.max_num_steps=2", "checkpointing.enabled=false", *overrides)
+    first = run.engine_log()[0]
+    assert first == (("refit", 0) if first_refit == 0 else ("generate", 0, "sample", first[3]))
+    assert [e[1] for e in run.engine_log() if e[0] == "refit"] == ([0, 1] if first_refit == 0 else [1])
 
 
 @pytest.mark.parametrize("lag, deferrable", [(1, True), (2, False)])
@@ -252,7 +270,7 @@ def test_pipelined_schedule_is_a_function_of_the_step_never_of_timing(tmp_path, 
     assert [e[1] for e in samples] == [max(0, n - 1 - lag) for n in range(1, 7)]
     # a refit reaches the generators only between rollouts, each version once, in order (the fakes
     # also refuse a refit or a second request during a generate call)
-    assert [e[1] for e in a.engine_log() if e[0] == "refit"] == list(range(0, 6 - lag))
+    assert [e[1] for e in a.engine_log() if e[0] == "refit"] == list(range(1, 6 - lag))  # W_0: loaded
     # the same calls in the same order and the same rows, whatever the timing
     assert a.engine_log() == b.engine_log()
     assert [deterministic(r) for r in a.rows()] == [deterministic(r) for r in b.rows()]
