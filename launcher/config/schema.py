@@ -110,6 +110,11 @@ class TrainRole:
     attention_backend: str = knob("fused", OneOf(ATTENTION_BACKENDS),
                                   "Megatron's attention on cuda with Transformer Engine (fused: cuDNN, the Bridge's "
                                   "recipes; flash: needs flash-attn); without TE and on cpu: local")
+    mamba_ssm_states_dtype: str = knob("auto", OneOf(("auto",) + DTYPES),
+                                       "a hybrid's inter-chunk SSM states in training (megatron's "
+                                       "mamba_training_ssm_states_dtype); auto: the dtype vLLM keeps them in "
+                                       "(topology.generation.mamba_ssm_cache_dtype, else config.json's, float32 for "
+                                       "Nemotron-H), so both sides run the recurrence alike")
 
 
 @dataclass

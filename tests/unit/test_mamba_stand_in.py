@@ -157,3 +157,29 @@ def test_the_package_is_what_megatrons_mixer_imports():
     ssd = modules["mamba_ssm.ops.triton.ssd_combined"]
     assert {ssd.mamba_chunk_scan_combined, ssd.mamba_split_conv1d_scan_combined} == {
         mamba.mamba_chunk_scan_combined, mamba.mamba_split_conv1d_scan_combined}
+
+
+def test_state_dtype_keeps_the_states_between_chunks_in_that_dtype():
+    """megatron passes mamba_training_ssm_states_dtype as `state_dtype` (where the scans take it): the state
+    carried from one chunk to the next is held in that dtype. Against the scan chunk by chunk, each
+    chunk's final state rounded before it starts the next (initial_states: checked above)."""
+    import inspect
+
+    for fn in (mamba.mamba_chunk_scan_combined, mamba.mamba_split_conv1d_scan_combined):  # megatron's test
+        assert "state_dtype" in inspect.signature(fn).parameters
+    t = inputs(seed=5)
+    plain = mamba.mamba_chunk_scan_combined(**t, chunk_size=CHUNK, dt_softplus=True)
+    assert torch.equal(mamba.mamba_chunk_scan_combined(**t, chunk_size=CHUNK, dt_softplus=True,
+                                                       state_dtype=torch.float32), plain)
+    y, final = mamba.mamba_chunk_scan_combined(**t, chunk_size=CHUNK, dt_softplus=True, state_dtype=torch.bfloat16,
+                                               return_final_states=True)
+    pieces, state = [], None
+    for start in range(0, L_, CHUNK):
+        part = {k: (v[:, start:start + CHUNK] if v.dim() > 1 else v) for k, v in t.items()}
+        out, state = mamba.mamba_chunk_scan_combined(**part, chunk_size=CHUNK, dt_softplus=True,
+                                                     initial_states=state, return_final_states=True)
+        state = state.to(torch.bfloat16).float()
+        pieces.append(out)
+    close(y, torch.cat(pieces, dim=1), 1e-6)
+    close(final, state, 1e-6)
+    assert (y - plain).abs().max() > 1e-4  # bf16 states are not float32's

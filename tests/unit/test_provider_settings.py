@@ -41,14 +41,23 @@ for case in json.loads(sys.argv[2]):
     bridge_alone = getattr(provider, "moe_shared_expert_overlap", None)
     cfg = TrainerConfig.from_sections(case["dir"], parallel=case["train"], device=case["device"], dtype="bfloat16")
     cuda = case["device"] == "cuda"
-    provider_settings.apply(provider, cfg, is_cpu=not cuda, have_te=cuda, probe=TE_NODE)
+    cfg.generation_ssm_cache_dtype = case.get("generation_ssm", "auto")
+    old_mamba_ssm = case.get("old_mamba_ssm", False)
+    try:
+        notes = provider_settings.apply(provider, cfg, is_cpu=not cuda, have_te=cuda, probe=TE_NODE,
+                                        hf_config=AutoBridge.from_hf_pretrained(case["dir"]).hf_pretrained.config,
+                                        state_dtype_ok=lambda: not old_mamba_ssm)
+    except ValueError as e:
+        out.append({"error": str(e)})
+        continue
     provider.finalize()
     out.append({"bridge_alone": bridge_alone, "overlap": getattr(provider, "moe_shared_expert_overlap", None),
                 "latent": getattr(provider, "moe_latent_size", None),
                 "granularity": provider.recompute_granularity, "method": provider.recompute_method,
                 "num_layers": provider.recompute_num_layers, "modules": provider.recompute_modules,
                 "backend": provider.attention_backend.name, "sequence_parallel": provider.sequence_parallel,
-                "tp": provider.tensor_model_parallel_size, "ep": provider.expert_model_parallel_size})
+                "tp": provider.tensor_model_parallel_size, "ep": provider.expert_model_parallel_size,
+                "ssm_states": str(getattr(provider, "mamba_training_ssm_states_dtype", None)), "notes": notes})
 print(json.dumps(out))
 """
 
@@ -70,8 +79,18 @@ def ultra(tmp_path_factory):
     return str(nemotron3_ultra.write(tmp_path_factory.mktemp("ultra") / "NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16"))
 
 
+def _with_config(model: str, into: Path, **changes) -> str:
+    """A copy of the model folder whose config.json has `changes`."""
+    import shutil
+
+    dest = Path(shutil.copytree(model, into / Path(model).name))
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, **changes}, indent=2))
+    return str(dest)
+
+
 @pytest.fixture(scope="module")
-def probed(ultra, tiny_model):
+def probed(ultra, tiny_model, tmp_path_factory):
     nemotron_h, llama = str(tiny_model("tiny_nemotron_h")), str(tiny_model())
     cases = {
         "ultra cuda": {"dir": ultra, "train": ultra_train(), "device": "cuda"},
@@ -81,6 +100,14 @@ def probed(ultra, tiny_model):
         "nemotron_h none": {"dir": nemotron_h, "train": {"recompute": "none"}, "device": "cpu"},
         "nemotron_h full": {"dir": nemotron_h, "train": {"recompute": "full"}, "device": "cpu"},
         "llama selective": {"dir": llama, "train": {"recompute": "selective"}, "device": "cpu"},
+        "nemotron_h bf16 states": {"dir": nemotron_h, "train": {"mamba_ssm_states_dtype": "bfloat16"},
+                                   "device": "cpu"},
+        "nemotron_h generation bf16": {"dir": nemotron_h, "train": {}, "device": "cpu", "generation_ssm": "bfloat16"},
+        "nemotron_h config bf16": {"dir": _with_config(nemotron_h, tmp_path_factory.mktemp("bf16_state"),
+                                                       mamba_ssm_cache_dtype="bfloat16"), "train": {}, "device": "cpu"},
+        "ultra cuda old mamba_ssm": {"dir": ultra, "train": ultra_train(), "device": "cuda", "old_mamba_ssm": True},
+        "ultra cuda old mamba_ssm float32": {"dir": ultra, "train": ultra_train(
+            "topology.train.mamba_ssm_states_dtype=float32"), "device": "cuda", "old_mamba_ssm": True},
     }
     return dict(zip(cases, probe(list(cases.values()))))
 
@@ -118,3 +145,20 @@ def test_none_and_full_recompute_and_a_dense_model(probed):
     assert probed["nemotron_h none"]["overlap"] is probed["nemotron_h full"]["overlap"] is False
     dense = probed["llama selective"]
     assert dense["granularity"] == "selective" and "moe_act" not in dense["modules"] and dense["backend"] == "local"
+
+
+def test_mamba_training_states_follow_what_vllm_keeps_its_ssm_state_in(probed):
+    """Issue 44: megatron's default follows the activations (bf16) while vLLM keeps Nemotron-H's SSM state in
+    float32 (config.json's mamba_ssm_cache_dtype; vLLM's NemotronH default and transformers' too)."""
+    assert probed["ultra cuda"]["ssm_states"] == probed["ultra cpu"]["ssm_states"] == "torch.float32"
+    assert probed["nemotron_h none"]["ssm_states"] == "torch.float32"   # the tiny model's config.json says none
+    assert probed["nemotron_h config bf16"]["ssm_states"] == "torch.bfloat16"      # auto: config.json's, as vLLM
+    assert probed["nemotron_h bf16 states"]["ssm_states"] == "torch.bfloat16"      # the key, said
+    assert probed["nemotron_h generation bf16"]["ssm_states"] == "torch.bfloat16"  # auto: vLLM's, as configured
+    assert probed["llama selective"]["ssm_states"] == "None"                       # no Mamba layers
+    # a mamba_ssm whose scans take no state_dtype (megatron refuses the setting): auto leaves it, with a note;
+    # the key said explicitly is an error naming it
+    old = probed["ultra cuda old mamba_ssm"]
+    assert old["ssm_states"] == "None" and any("takes no state_dtype" in n and "float32" in n for n in old["notes"])
+    assert probed["ultra cuda old mamba_ssm float32"]["error"].startswith(
+        "topology.train.mamba_ssm_states_dtype=float32: the installed mamba_ssm's scans take no state_dtype")

@@ -97,11 +97,13 @@ def test_every_trainer_knob_is_reachable_from_a_run():
     from launcher.config import compose
     from launcher.config.schema import typed
 
-    cfg = typed(compose.compose(["topology.train.micro_batch_size=3", "run.seed=7", "grpo.temperature=0.7"]))
+    cfg = typed(compose.compose(["topology.train.micro_batch_size=3", "run.seed=7", "grpo.temperature=0.7",
+                                 "topology.generation.mamba_ssm_cache_dtype=bfloat16"]))
     plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     trainer = TrainerConfig.from_run_config(plain, "/tmp/model")
     assert (trainer.parallel.micro_batch_size, trainer.seed, trainer.temperature) == (3, 7, 0.7)
+    assert trainer.generation_ssm_cache_dtype == "bfloat16"  # auto Mamba training states follow it
     assert trainer.model == plain["model"] and trainer.facts.family == "llama"   # the run's resolved facts
     set_by_run = {"model_path", "device", "dtype", "seed", "max_num_steps", "temperature", "parallel", "peft", "optim",
-                  "loss", "model"}
+                  "loss", "model", "generation_ssm_cache_dtype"}
     assert {f.name for f in dataclasses.fields(TrainerConfig)} == set_by_run

@@ -16,8 +16,9 @@ Semantics are mamba_ssm's (its reference implementations `ssd_chunk_scan_combine
 B and C are shared by the heads of a group. The scan works in chunks (the SSD form): within a chunk
 the output is a causal, decay-weighted attention-like sum; between chunks only the state travels.
 Computed in float32 whatever the input dtype (as the kernels do), differentiable by autograd (no
-custom backward). Not supported (NotImplementedError): packed sequences (seq_idx / cu_seqlens) and
-varlen states, which the trainer never uses.
+custom backward). `state_dtype` (megatron passes it where mamba_ssm accepts it: MAMBA_HAS_STATE_DTYPE)
+rounds the states carried between chunks to that dtype. Not supported (NotImplementedError): packed
+sequences (seq_idx / cu_seqlens) and varlen states, which the trainer never uses.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def _unsupported(**given) -> None:
                                   "(packed sequences)")
 
 
-def _ssd(x, dt, A, B, C, chunk_size, initial_state):
+def _ssd(x, dt, A, B, C, chunk_size, initial_state, state_dtype=None):
     """The SSD scan on float32 inputs: x [b, l, h, p], dt [b, l, h] (final step sizes), A [h],
-    B and C [b, l, h, n] (already one per head). Returns (y [b, l, h, p], final state [b, h, p, n])."""
+    B and C [b, l, h, n] (already one per head). Returns (y [b, l, h, p], final state [b, h, p, n]).
+    state_dtype: the inter-chunk states are kept in it (rounded at each chunk's end, as mamba_ssm's
+    kernels store them), else in float32."""
     b, length, h, p = x.shape
     n = B.shape[-1]
     pad = (-length) % chunk_size
@@ -105,17 +108,19 @@ def _ssd(x, dt, A, B, C, chunk_size, initial_state):
     across = torch.exp(log_decay[:, :, -1, :])                             # [b, c, h]
     state = initial_state if initial_state is not None else x.new_zeros(b, h, p, n)
     outputs = []
+    kept = (lambda t: t.to(state_dtype).float()) if state_dtype not in (None, torch.float32) else (lambda t: t)
+    state = kept(state)
     for c in range(chunks):  # between chunks only the state travels: y_i += exp(cum_i) C_i . S_start
         carried = torch.einsum("bihn,bhpn->bihp", C[:, c], state) * torch.exp(log_decay[:, c])[..., None]
         outputs.append(y[:, c] + carried)
-        state = state * across[:, c, :, None, None] + added[:, c]
+        state = kept(state * across[:, c, :, None, None] + added[:, c])
     return torch.cat(outputs, dim=1)[:, :length], state
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, chunk_indices=None, chunk_offsets=None, cu_seqlens=None,
                               dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
-                              return_varlen_states=False):
+                              return_varlen_states=False, state_dtype=None):
     """Mamba-2 SSD. x [b, l, h, p], dt [b, l, h], A [h], B/C [b, l, g, n], D [h] or [h, p], z [b, l, h, p],
     initial_states [b, h, p, n]. Returns y [b, l, h, p] (x's dtype), and the final state if asked."""
     _unsupported(seq_idx=seq_idx, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, cu_seqlens=cu_seqlens,
@@ -132,7 +137,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     per_head = heads // groups
     y, final = _ssd(xf, dt, A.float(), B.float().repeat_interleave(per_head, dim=2),
                     C.float().repeat_interleave(per_head, dim=2), chunk_size,
-                    None if initial_states is None else initial_states.float())
+                    None if initial_states is None else initial_states.float(), state_dtype)
     if D is not None:
         y = y + xf * (D.float()[:, None] if D.dim() == 1 else D.float())
     if z is not None:
@@ -145,7 +150,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                                      initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
                                      return_final_states=False, activation="silu", rmsnorm_weight=None,
                                      rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None,
-                                     ngroups=1, norm_before_gate=True):
+                                     ngroups=1, norm_before_gate=True, state_dtype=None):
     """The training path: split zxbcdt [b, l, 2 d + 2 g n + h] into z | xBC | dt, causal depthwise
     conv1d (+ silu) over xBC, the SSD scan gated by z (or followed by the gated RMSNorm), optional
     output projection. conv1d_weight [channels, width]."""
@@ -173,7 +178,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         x.reshape(b, length, heads, headdim), dt, A, B.reshape(b, length, ngroups, state),
         C.reshape(b, length, ngroups, state), chunk_size, D=D, z=z if rmsnorm_weight is None else None,
         dt_bias=dt_bias, initial_states=initial_states, dt_softplus=True, dt_limit=dt_limit,
-        return_final_states=return_final_states)
+        return_final_states=return_final_states, state_dtype=state_dtype)
     y, final = result if return_final_states else (result, None)
     y = y.reshape(b, length, inner)
     if rmsnorm_weight is not None:

@@ -96,7 +96,10 @@ def build_model(cfg: TrainerConfig, rank: int) -> BuiltModel:
     provider_facts.without_mtp(bridge)  # GRPO trains the model, not its MTP layers (docs/nemotron_h.md)
     provider = bridge.to_megatron_provider(load_weights=True)
     # the layout, MoE, recompute, attention and fusion settings (workers.trainer.provider_settings)
-    provider_settings.apply(provider, cfg, is_cpu, have_te=_have_transformer_engine())
+    for note in provider_settings.apply(provider, cfg, is_cpu, have_te=_have_transformer_engine(),
+                                        hf_config=bridge.hf_pretrained.config):
+        if rank == 0:
+            print(f"note: {note}", flush=True)  # the trainer rank's log
     provider.params_dtype = dtype
     provider_facts.apply(provider, facts)
     provider.finalize()

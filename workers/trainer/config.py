@@ -14,8 +14,8 @@ from typing import Optional
 
 from launcher.config import model_facts
 from launcher.config.model_facts import ModelFacts
-from launcher.config.schema import (Grpo, Model, Optim, Peft, Run, Topology, TrainRole, field_errors, from_dict,
-                                    train_parallel_errors)
+from launcher.config.schema import (GenerationRole, Grpo, Model, Optim, Peft, Run, Topology, TrainRole, field_errors,
+                                    from_dict, train_parallel_errors)
 from workers import cpu_shim
 from workers.trainer.loss import LossConfig, loss_config
 
@@ -31,6 +31,8 @@ class TrainerConfig:
     seed: int = Run.seed
     max_num_steps: int = Grpo.max_num_steps  # scheduler decay steps when optim.lr_decay_iters is null
     temperature: float = Grpo.temperature  # logprobs are log_softmax(logits / temperature), as sampled
+    # the dtype vLLM keeps a hybrid's SSM state in (topology.train.mamba_ssm_states_dtype=auto follows it)
+    generation_ssm_cache_dtype: str = GenerationRole.mamba_ssm_cache_dtype
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -58,7 +60,8 @@ class TrainerConfig:
             model_path, parallel=cfg["topology"]["train"], peft=cfg["peft"], optim=cfg["optim"],
             loss=cfg["grpo"]["loss"], device=cfg["topology"]["device"], dtype=cfg["model"]["dtype"],
             seed=cfg["run"]["seed"], max_num_steps=cfg["grpo"]["max_num_steps"],
-            temperature=cfg["grpo"]["temperature"], model=cfg["model"])
+            temperature=cfg["grpo"]["temperature"], model=cfg["model"],
+            generation_ssm_cache_dtype=cfg["topology"]["generation"]["mamba_ssm_cache_dtype"])
 
     @property
     def facts(self) -> ModelFacts:

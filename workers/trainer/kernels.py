@@ -77,6 +77,14 @@ def importable(need: str) -> str:
     return "ok"
 
 
+def mamba_takes_state_dtype() -> bool:
+    """Whether the installed mamba_ssm's scans take `state_dtype` (megatron-core reads their signatures:
+    MAMBA_HAS_STATE_DTYPE; without it megatron refuses mamba_training_ssm_states_dtype)."""
+    from megatron.core.ssm import mamba_mixer
+
+    return bool(getattr(mamba_mixer, "MAMBA_HAS_STATE_DTYPE", False))
+
+
 def settings(is_cpu: bool, probe: Callable[[str], str] = importable) -> dict[str, bool]:
     """{provider flag: False} for every fusion this machine cannot run (all of them on CPU)."""
     off = {flag: False for flag in CPU_OFF} if is_cpu else {}

@@ -18,6 +18,13 @@ NeMo RL's Megatron policy):
         where the experts are not one grouped GEMM (megatron-core refuses it then: on CPU, and on
         cuda without Transformer Engine); full: every layer from its input (method uniform, one
         layer per unit).
+  mamba_training_ssm_states_dtype (topology.train.mamba_ssm_states_dtype)  a hybrid's SSM states
+        between the scan's chunks, in the dtype vLLM keeps its SSM state cache in (auto: the
+        generation's mamba_ssm_cache_dtype, else config.json's, else float32: vLLM's and transformers'
+        default for Nemotron-H). megatron's default follows the activations (bf16): a train/generation
+        mismatch over every Mamba layer that the importance weights would absorb. Where the installed
+        mamba_ssm's scans take no `state_dtype`, megatron refuses the setting: auto then leaves it
+        (the trainer's log says so), an explicit dtype is an error naming the key.
   attention_backend (topology.train.attention_backend)  the configured one where the model uses
         Transformer Engine's layer spec (default fused, the Bridge's recipes'); local (megatron's
         own attention, what the local spec builds) on CPU and without Transformer Engine. The
@@ -37,9 +44,12 @@ from workers.trainer.config import TrainerConfig
 
 
 def apply(provider: Any, cfg: TrainerConfig, is_cpu: bool, have_te: bool,
-          probe: Callable[[str], str] = kernels.importable) -> None:
+          probe: Callable[[str], str] = kernels.importable, hf_config: Any = None,
+          state_dtype_ok: Callable[[], bool] = kernels.mamba_takes_state_dtype) -> list[str]:
     """Every setting above on `provider` (before finalize); `probe`: whether a fusion's kernel imports
-    (workers.trainer.kernels)."""
+    (workers.trainer.kernels); `hf_config`: the checkpoint's (config.json's mamba_ssm_cache_dtype);
+    `state_dtype_ok`: whether mamba_ssm takes state_dtype. Returns notes for the trainer's log."""
+    notes: list[str] = []
     p = cfg.parallel
     provider.tensor_model_parallel_size = p.tensor_parallel
     provider.pipeline_model_parallel_size = p.pipeline_parallel
@@ -78,6 +88,31 @@ def apply(provider: Any, cfg: TrainerConfig, is_cpu: bool, have_te: bool,
     provider.attention_backend = attention_backend("local" if local_spec else p.attention_backend)
     for key, value in recompute_settings(p.recompute, bool(getattr(provider, "moe_grouped_gemm", False))).items():
         setattr(provider, key, value)
+    if "M" in str(getattr(provider, "hybrid_layer_pattern", None) or ""):  # a hybrid with Mamba layers
+        name = ssm_states_dtype(p.mamba_ssm_states_dtype, cfg.generation_ssm_cache_dtype, hf_config)
+        if state_dtype_ok():
+            import torch
+
+            provider.mamba_training_ssm_states_dtype = getattr(torch, name)
+        elif p.mamba_ssm_states_dtype != "auto":
+            raise ValueError(f"topology.train.mamba_ssm_states_dtype={name}: the installed mamba_ssm's scans take "
+                             "no state_dtype (megatron-core refuses the setting); upgrade mamba_ssm or set auto")
+        else:
+            notes.append(f"Mamba training states follow the activations' dtype: the installed mamba_ssm takes no "
+                         f"state_dtype (vLLM keeps them in {name}; topology.train.mamba_ssm_states_dtype)")
+    return notes
+
+
+def ssm_states_dtype(train: str, generation: str, hf_config: Any = None) -> str:
+    """topology.train.mamba_ssm_states_dtype resolved: itself, else the dtype vLLM keeps the SSM state
+    in (topology.generation.mamba_ssm_cache_dtype, else config.json's: vLLM's NemotronH config
+    verifier reads it, defaulting to float32 as transformers' NemotronHConfig does)."""
+    if train != "auto":
+        return train
+    if generation != "auto":
+        return generation
+    value = getattr(hf_config, "mamba_ssm_cache_dtype", None) or "float32"
+    return "float32" if value == "auto" else str(value)
 
 
 def attention_backend(name: str):
