@@ -137,11 +137,12 @@ def pytest_terminal_summary(terminalreporter):
     reports = [r for key in ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "")  # "": passed setups
                for r in terminalreporter.stats.get(key, []) if hasattr(r, "nodeid") and r.nodeid]
     if reports:
-        slowest = tiers.slowest_modules(reports)
-        if slowest:
-            terminalreporter.write_sep("=", "the slowest modules of the other tiers")
-            for line in slowest:
-                terminalreporter.write_line(line)
+        for title, slowest in (("the slowest modules of the other tiers", tiers.slowest_modules(reports)),
+                               ("the slowest modules of the unit tier", tiers.slowest_modules(reports, 15, unit=True))):
+            if slowest:
+                terminalreporter.write_sep("=", title)
+                for line in slowest:
+                    terminalreporter.write_line(line)
         if "folder" in _COUNTS:
             from tests.helpers import process_counts
 

@@ -137,13 +137,13 @@ def summary(reports: list) -> list[str]:
     return lines
 
 
-def slowest_modules(reports: list, n: int = 25) -> list[str]:
-    """The `n` test modules (other than the unit tier's, which run next to them) that took the most
-    time (setup + call + teardown of their tests, module fixtures included), slowest first: where the
-    suite's minutes go, one line each."""
+def slowest_modules(reports: list, n: int = 25, unit: bool = False) -> list[str]:
+    """The `n` test modules of the tiers other than the unit tier (which runs next to them), or of the
+    unit tier with `unit`, that took the most time (setup + call + teardown of their tests, module
+    fixtures included), slowest first: where the suite's minutes go, one line each."""
     per = defaultdict(lambda: [0.0, set()])
     for r in reports:
-        if tier_of(r.nodeid) == "unit":
+        if (tier_of(r.nodeid) == "unit") != unit:
             continue
         module = per[r.nodeid.split("::", 1)[0]]
         module[0] += getattr(r, "duration", 0.0) or 0.0

@@ -98,10 +98,14 @@ def test_the_whole_tree_spreads_the_unit_modules_and_runs_each_stream_on_a_worke
     summary = p.stdout.split("time per tier", 1)[1].splitlines()
     assert [line.split(":")[0] for line in summary[1:5]] == ["unit", "integration", "e2e", "slurm"], p.stdout
     assert summary[1].startswith(f"unit: {3 * PER_MODULE} tests, ") and " s wall (" in summary[1]
-    modules = p.stdout.split("the slowest modules of the other tiers", 1)[1].split("time per tier")[0].splitlines()[1:-1]
-    names = [line.split()[-1] for line in modules]  # 2 tests of 0.3 s, 2 of them, then 1: the unit tier left out
+    other, rest = p.stdout.split("the slowest modules of the other tiers", 1)[1].split(
+        "the slowest modules of the unit tier", 1)
+    names = [line.split()[-1] for line in other.splitlines()[1:-1]]  # 2 tests of 0.3 s, 2 of them, then 1
     assert sorted(names[:2]) == ["tests/e2e/test_e.py", "tests/integration/test_i.py"], p.stdout
     assert names[2:] == ["tests/slurm/test_s.py"], p.stdout
+    unit_lines = rest.split("\n", 1)[1].split("=====", 1)[0].splitlines()  # after its title, up to the next
+    unit_names = [line.split()[-1] for line in unit_lines if line.strip()]
+    assert sorted(unit_names) == [f"tests/unit/test_u{i}.py" for i in (1, 2, 3)], p.stdout  # in a list of its own
 
 
 def test_n0_runs_every_tier_in_order_in_this_process(tmp_path):
