@@ -18,22 +18,24 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from launcher import files, logs, paths, shell
 from launcher import sweep as sweep_mod
 from launcher import memory, refit_cost
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
-from launcher.config.compose import ConfigError
 from launcher.config import fields
-from launcher.config.schema import Config, typed
+from launcher.config.schema import Config, ConfigError, typed
 from launcher import cli as cli_mod
 from launcher.cli import Parser
 from launcher.config.validate import validate
 from launcher.job import run_dir as run_dir_mod
 from launcher.job import sbatch, slurm_job
 from launcher.cluster import stop as stop_mod
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 HELP = """\
 usage: python -m launcher [--cfg job|all] [-m [--max-points N]] [-q | -v] [group=option ...] [key=value ...]
@@ -141,11 +143,11 @@ def _options(argv: list[str]) -> argparse.Namespace:
 
 @dataclass
 class Resolved:
-    raw: object
-    cfg: object
-    plan: object
+    raw: DictConfig                  # as composed (config_mod.compose), what config.yaml saves
+    cfg: Config                      # typed (schema.typed)
+    plan: plan_mod.Plan
     run_dir: Path
-    spec: object
+    spec: sbatch.JobSpec | None      # the Slurm job's (None: a local run)
     on_submission: list = field(default_factory=list)  # a dry run's errors that only a submission raises
 
 

@@ -32,8 +32,7 @@ from launcher import files, paths, shell
 from launcher.driver import checkpoints
 from launcher.config import compose as config_mod
 from launcher.config import model_facts
-from launcher.config.compose import ConfigError
-from launcher.config.schema import VLLM_LORA_RANKS
+from launcher.config.schema import VLLM_LORA_RANKS, ConfigError
 from workers.lora.checkpoint import LoraCheckpointError  # torch-free module top
 from workers.lora.export import AdapterExport, ExportError, export_adapter  # torch-free module top
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.config.compose import ConfigError
-from launcher.config.schema import GENERATION_SLOT, TRAIN_SLOT, Topology, train_parallel_errors
+from launcher.config.schema import GENERATION_SLOT, TRAIN_SLOT, ConfigError, Topology, train_parallel_errors
 NODE_RESOURCE_UNITS = 1000  # `node_<i>` units per node; an actor asks for 1
 
 

@@ -150,7 +150,7 @@ def runs_of(args: list[str]) -> list[Path]:
     directory the launcher would use; only run.root=R: every run under R)."""
     from launcher import paths
     from launcher.config import compose as config_mod
-    from launcher.config.compose import ConfigError
+    from launcher.config.schema import ConfigError
     from launcher.config.schema import typed
     from launcher.sweep import read as read_sweep
 

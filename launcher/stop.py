@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from launcher import paths
-    from launcher.config.compose import ConfigError
+    from launcher.config.schema import ConfigError
 
     args = parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     where = Path(args.where)

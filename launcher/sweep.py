@@ -29,7 +29,8 @@ from pathlib import Path
 
 from launcher import files, paths, records
 from launcher.config import compose as config_mod
-from launcher.config.compose import ConfigError, parse_overrides
+from launcher.config.compose import parse_overrides
+from launcher.config.schema import ConfigError
 
 MAX_POINTS = 64         # --max-points N raises it
 NAME_MAX = paths.NAME_MAX

@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import Container, DictConfig, OmegaConf
 
 from launcher.config import model_facts
-from launcher.config.schema import Config, ConfigError, expected  # ConfigError: the CLI's error type
+from launcher.config.schema import Config, ConfigError, expected
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("topology", "model", "peft", "grpo", "data", "reward", "env", "optim", "refit", "checkpointing", "slurm")

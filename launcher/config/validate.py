@@ -16,8 +16,7 @@ from launcher import memory, paths
 from launcher import plan as plan_mod
 from launcher.config import job_limits, model_facts, model_files
 from launcher.config import ranges
-from launcher.config.compose import ConfigError
-from launcher.config.schema import BUILTIN_MODELS, LORA_MODULES, LORA_NOT_IN_PEFT, Config, loss_errors
+from launcher.config.schema import BUILTIN_MODELS, LORA_MODULES, LORA_NOT_IN_PEFT, Config, ConfigError, loss_errors
 
 
 def validate(cfg: Config, submitting: bool = False) -> list[ConfigError]:

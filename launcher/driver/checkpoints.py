@@ -33,8 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from launcher import files, paths, records
 from launcher.config import bounded, model_facts
-from launcher.config.compose import ConfigError
-from launcher.config.schema import Checkpointing
+from launcher.config.schema import Checkpointing, ConfigError
 from launcher.paths import absolute
 
 MANIFEST = paths.MANIFEST

@@ -21,6 +21,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from launcher import files, logs, paths, progress
 from launcher import plan as plan_mod
@@ -35,6 +36,9 @@ from launcher.driver.start import RunData, Workers, start
 from launcher.driver.startup import Startup, step_parts, summary_text
 from launcher.paths import checkpoint_dirs
 from workers.contracts import Generators, Trainers, WeightSync
+
+if TYPE_CHECKING:
+    from launcher.driver.environments import Environments
 
 log = logs.get(__name__).info
 
@@ -60,8 +64,8 @@ def add_refit(row: dict, refit: dict) -> None:
 
 class GrpoRun:
     def __init__(self, cfg: Config, ctx: JobContext, trainers: Trainers, generators: Generators, refit: WeightSync,
-                 data: RunData, rewards, stop: threading.Event | None = None, plan: plan_mod.Plan | None = None,
-                 startup: Startup | None = None):
+                 data: RunData, rewards: rewards_mod.Rewards | Environments, stop: threading.Event | None = None,
+                 plan: plan_mod.Plan | None = None, startup: Startup | None = None):
         """rewards: launcher.driver.rewards.Rewards (score(texts, examples) -> (scores, errors)), or with
         env.fn launcher.driver.environments.Environments (the episodes' environments)."""
         self.cfg, self.ctx, self.plan = cfg, ctx, plan

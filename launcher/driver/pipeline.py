@@ -46,12 +46,18 @@ import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from launcher import files, paths, progress, records
 from launcher.config.schema import Config
 from launcher.driver import metric_names as names
 from launcher.driver.rollout import Rollout, collect, validation
+
+if TYPE_CHECKING:
+    from launcher.driver.data import Prompts
+    from launcher.driver.environments import Environments
+    from launcher.driver.rewards import Rewards
+    from workers.contracts import Generators, WeightSync
 
 def version_for(step: int, lag: int, restart: int = 0) -> int:
     """The weights version that generates the rollout of `step` (module docstring)."""
@@ -160,7 +166,8 @@ class GeneratorQueue:
 class Pipeline:
     """The rollouts of a run: which weights generate which step, launched ahead by `lag` steps."""
 
-    def __init__(self, cfg: Config, generators, refit, prompts, rewards, lag: int, step: int, position: int,
+    def __init__(self, cfg: Config, generators: Generators, refit: WeightSync, prompts: Prompts,
+                 rewards: Rewards | Environments, lag: int, step: int, position: int,
                  ahead: list[RolloutResult] | None = None, progress: dict | None = None):
         """step, position: where the run starts (0, 0; or a resumed checkpoint's); `ahead`: the
         checkpoint's rollouts for the steps after it (restore()); `progress`: the driver's

@@ -17,9 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from launcher import memory
 from launcher import plan as plan_mod
 from launcher.config import compose as config_mod
-from launcher.config.compose import ConfigError
 from launcher import files, paths, shell
-from launcher.config.schema import Config
+from launcher.config.schema import Config, ConfigError
 from launcher.job import sbatch, slurm_job
 from launcher.paths import checkpoint_dirs
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from launcher import paths
 from launcher import plan as plan_mod
-from launcher.config.compose import ConfigError
-from launcher.config.schema import Config
+from launcher.config.schema import Config, ConfigError
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "ray_job.sbatch.j2"
 _FLAG = re.compile(r"^[a-z][a-z0-9_-]*$")

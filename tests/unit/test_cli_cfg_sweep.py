@@ -21,7 +21,7 @@ from launcher import status as status_mod
 from launcher import stop as stop_cli
 from launcher import sweep as sweep_mod
 from launcher.__main__ import main
-from launcher.config.compose import ConfigError
+from launcher.config.schema import ConfigError
 from launcher.cluster import stop as stop_mod
 
 PY = sys.executable

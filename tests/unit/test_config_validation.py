@@ -9,8 +9,7 @@ import pytest
 
 from launcher.__main__ import main
 from launcher.config.compose import compose
-from launcher.config.compose import ConfigError
-from launcher.config.schema import typed
+from launcher.config.schema import ConfigError, typed
 from launcher.config.validate import validate
 
 REPO_PYTHON = sys.executable

@@ -7,9 +7,8 @@ import pytest
 
 from launcher.driver import advantages, data, rewards
 from launcher.driver.checkpoints import CheckpointError, CheckpointManager, verify
-from launcher.config.compose import ConfigError
 from launcher.driver.metrics import MetricsLogger, read, summary
-from launcher.config.schema import Checkpointing, Grpo, Logging, RewardScaling
+from launcher.config.schema import Checkpointing, ConfigError, Grpo, Logging, RewardScaling
 
 
 def test_data_order_is_a_pure_function_of_seed_epoch_position():

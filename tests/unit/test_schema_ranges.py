@@ -23,9 +23,9 @@ import pytest
 
 from launcher import plan as plan_mod
 from launcher.config import ranges
-from launcher.config.compose import ConfigError, compose
+from launcher.config.compose import compose
 from launcher.config.fields import All, Elsewhere, Filled, Free, OneOf, Range, Sizes, Text, knob, leaves, section_docs
-from launcher.config.schema import Config, typed
+from launcher.config.schema import Config, ConfigError, typed
 from launcher.config.validate import validate
 from launcher.job import sbatch
 

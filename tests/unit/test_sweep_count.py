@@ -15,7 +15,8 @@ import random
 import pytest
 
 from launcher import sweep as sweep_mod
-from launcher.config.compose import ConfigError, parse_overrides
+from launcher.config.compose import parse_overrides
+from launcher.config.schema import ConfigError
 
 SEED = 45
 
