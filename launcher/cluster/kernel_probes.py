@@ -38,7 +38,7 @@ ATTENTION_ENV = {"flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1), "
 # gate (vllm/model_executor/models/nemotron_h.py: activation_without_mul(mlp_hidden_act)); the others'
 # are gated SiLU (Qwen3-MoE)
 MOE_ACTIVATION = {"nemotron_h": "relu2_no_mul"}
-TE = "transformer_engine.pytorch"
+TE = "transformer_engine.pytorch"  # workers.trainer.kernels.TRANSFORMER_ENGINE (the import rules keep workers/ out)
 SKIPPED = "skipped"          # a status that starts with it is no failure
 TOLERANCE = 0.05             # of the reference's largest magnitude (at least 1): bf16 in, fp32 reference
 

@@ -75,8 +75,10 @@ def engines_hold_w0(cfg: Config) -> str | None:
         return None
     if not cfg.peft.enabled:
         return "full fine-tuning starts from model.path, which the engines loaded"
-    zero = [f"lora_{f}_init_method" for f in ("A", "B") if getattr(cfg.peft, f"lora_{f}_init_method") == "zero"]
-    return f"the engines loaded model.path and LoRA adds nothing yet (peft.{zero[0]}=zero)" if zero else None
+    for key in ("lora_B_init_method", "lora_A_init_method"):
+        if getattr(cfg.peft, key) == "zero":
+            return f"the engines loaded model.path and LoRA adds nothing yet (peft.{key}=zero)"
+    return None
 
 
 def refit_metrics(report) -> dict:

@@ -37,7 +37,8 @@ from workers.trainer.config import TrainerConfig
 TE_NODE = lambda need: "ok" if need == "transformer_engine.pytorch" else "absent"
 out = []
 for case in json.loads(sys.argv[2]):
-    provider = AutoBridge.from_hf_pretrained(case["dir"]).to_megatron_provider(load_weights=False)
+    bridge = AutoBridge.from_hf_pretrained(case["dir"])
+    provider = bridge.to_megatron_provider(load_weights=False)
     bridge_alone = getattr(provider, "moe_shared_expert_overlap", None)
     cfg = TrainerConfig.from_sections(case["dir"], parallel=case["train"], device=case["device"], dtype="bfloat16")
     cuda = case["device"] == "cuda"
@@ -45,7 +46,7 @@ for case in json.loads(sys.argv[2]):
     old_mamba_ssm = case.get("old_mamba_ssm", False)
     try:
         notes = provider_settings.apply(provider, cfg, is_cpu=not cuda, have_te=cuda, probe=TE_NODE,
-                                        hf_config=AutoBridge.from_hf_pretrained(case["dir"]).hf_pretrained.config,
+                                        hf_config=bridge.hf_pretrained.config,
                                         state_dtype_ok=lambda: not old_mamba_ssm)
     except ValueError as e:
         out.append({"error": str(e)})
