@@ -382,31 +382,32 @@ def _submit(cfg, plan, run_dir: Path) -> int:
 
 
 def _run_here(cfg, plan, run_dir: Path) -> int:
-    from launcher.cluster.bootstrap import record_failure, resume_after_requeue
     from launcher.cluster.context import ClusterError
+    from launcher.cluster import restarts
     from launcher.job.submit import run_local
 
     log = _log.info
 
     log(f"run directory {run_dir}")
     t0 = time.time()
-    restarts = 0
+    attempt = 0
     try:
         # to the end of the run one Ctrl-C finishes the step and saves, whatever phase it lands in: the
         # start-up, a step, the save, the clean-up, a restart (cluster.stop.armed); a second one stops at once
         with stop_mod.armed(stop_mod.local_handlers()):
             while True:
                 try:
-                    out = run_local(cfg, plan, run_dir, attempt=restarts)
+                    out = run_local(cfg, plan, run_dir, attempt=attempt)
                     result = out.get("result") or {}
                     break
                 except ClusterError as e:
                     cli_mod.error(e)
-                    restarts = record_failure(run_dir, f"local-{os.getpid()}", e)
-                    if restarts > cfg.retry.max_restarts or stop_mod.stopping():  # asked to stop: no restart
+                    n = restarts.after_failure(cfg, run_dir, f"local-{os.getpid()}", e)
+                    if n is None or stop_mod.stopping():  # asked to stop: no restart
                         return 1
-                    cfg.resume = resume_after_requeue(cfg, run_dir)
-                    log(f"restart {restarts}/{cfg.retry.max_restarts} (retry.max_restarts) from "
+                    attempt = n
+                    cfg.resume = restarts.resume_after_requeue(cfg, run_dir)
+                    log(f"{restarts.restart_line(cfg, n)} from "
                         f"{cfg.resume or 'the beginning (no complete checkpoint yet)'}")
     except KeyboardInterrupt:  # the second Ctrl-C
         # a further Ctrl-C while the interpreter exits (Ray's atexit hooks, daemon threads) would end it

@@ -32,7 +32,7 @@ from pathlib import Path
 from launcher import files, paths, records
 from launcher import plan as plan_mod
 from launcher import progress
-from launcher.cluster import preflight, stop
+from launcher.cluster import preflight, restarts, stop
 from launcher.cluster.context import ClusterError, JobContext, log
 from launcher.cluster.join import retry_delay
 from launcher.cluster.ray_node import (HeadDied, connect, disconnect, driver_env, fatal_ray_error, free_port,
@@ -40,7 +40,6 @@ from launcher.cluster.ray_node import (HeadDied, connect, disconnect, driver_env
 from launcher.cluster.watch import WORKER_TICK_S, HeadWatch, WorkerWatch, ray_exit, ray_stopped, write_node_report
 from launcher.config import compose as config_mod
 from launcher.config.schema import Config
-from launcher.paths import checkpoint_dirs
 
 
 def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
@@ -65,13 +64,13 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
     if ctx.attempt > 0:  # requeued (preemption, time limit, node failure): continue from the latest checkpoint
         from launcher.driver.checkpoints import nothing_left
 
-        ckpt = latest_checkpoint(cfg, run_dir)  # once: it checksums every checkpoint's files
+        ckpt = restarts.latest_checkpoint(cfg, run_dir)  # once: it checksums every checkpoint's files
         if ckpt is not None and nothing_left(cfg, ckpt.step):
             # a signal that came after the last step: start no Ray, no actors
             log(f"restart {ctx.attempt} of job {ctx.job_id}: nothing to run, the run had finished ({ckpt.path} is "
                 f"at step {ckpt.step}/{cfg.grpo.max_num_steps})")
             return finished_before(ctx, ckpt.step)
-        cfg.resume = _resume_point(cfg, ckpt)
+        cfg.resume = restarts.resume_point(cfg, ckpt)
         log(f"restart {ctx.attempt} of job {ctx.job_id}: " +
             (f"resuming from {cfg.resume}" if cfg.resume else "no complete checkpoint yet, starting over"))
         checked = ckpt is not None  # complete() verified it
@@ -85,11 +84,11 @@ def run_task(run_dir: str | Path, plain_sbatch: bool = False) -> dict:
             stop.requeue(ctx.job_id)
         return out
     except ClusterError as e:
-        restarts = record_failure(run_dir, ctx.job_id, e)
-        if restarts > cfg.retry.max_restarts:
+        n = restarts.after_failure(cfg, run_dir, ctx.job_id, e)
+        if n is None:
             raise
-        log(f"error: {e}\nrestart {restarts}/{cfg.retry.max_restarts} (retry.max_restarts): requeueing job "
-            f"{ctx.job_id}; it continues from the latest complete checkpoint")
+        log(f"error: {e}\n{restarts.restart_line(cfg, n)}: requeueing job {ctx.job_id}; it continues from the "
+            f"latest complete checkpoint")
         stop.requeue(ctx.job_id)
         return {"node": ctx.hostname, "role": "head", "requeued": str(e)}
 
@@ -107,30 +106,6 @@ def check_start(ctx: JobContext, cfg: Config, resuming: bool = True) -> None:
         files.make_dir(ctx.rendezvous)
         files.write_json(ctx.rendezvous / paths.DONE, {"ok": False, "error": str(e)})
         raise
-
-
-def record_failure(run_dir: Path, job_id: str, error: BaseException) -> int:
-    """Append the failure to RUN/failures.jsonl; how many failures this job (all its restarts) had."""
-    path = run_dir / paths.FAILURES
-    files.append_line(path, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": str(job_id), "error": str(error)})
-    return sum(1 for row in records.load_lines(path, records.FAILURE) if row["job"] == str(job_id))
-
-
-def latest_checkpoint(cfg: Config, run_dir: Path):
-    """The newest complete checkpoint of the run (a driver.checkpoints.Checkpoint), or None."""
-    from launcher.driver.checkpoints import CheckpointManager
-
-    done = CheckpointManager(checkpoint_dirs(cfg, run_dir), cfg.checkpointing).complete()
-    return done[-1] if done else None
-
-
-def resume_after_requeue(cfg: Config, run_dir: Path) -> str | None:
-    """What a restart resumes from: the newest complete checkpoint, else the run's own +resume."""
-    return _resume_point(cfg, latest_checkpoint(cfg, run_dir))
-
-
-def _resume_point(cfg: Config, ckpt) -> str | None:
-    return str(ckpt.path) if ckpt is not None else cfg.resume
 
 
 def finished_before(ctx: JobContext, step: int) -> dict:

@@ -87,7 +87,7 @@ def test_a_real_checkpoint_whose_records_disagree_is_refused_before_ray(trained_
 
 
 def test_resume_from_an_older_step_is_a_new_branch(trained_run, tmp_path):
-    from launcher.cluster.bootstrap import resume_after_requeue
+    from launcher.cluster.restarts import resume_after_requeue
     from launcher.config.compose import compose
     from launcher.config.schema import typed
 

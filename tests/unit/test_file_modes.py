@@ -101,7 +101,7 @@ def test_the_jobs_own_writers(sandbox, shared, capsys):
     """head.json, registered, done, a node report, failures.jsonl, metrics, a checkpoint (the trainer
     ranks write with the umask: the commit brings them to the policy) and its branch move."""
     from launcher import files, paths
-    from launcher.cluster import bootstrap, watch
+    from launcher.cluster import bootstrap, restarts, watch
     from launcher.cluster.context import JobContext
     from launcher.config.schema import Checkpointing, Logging
     from launcher.driver.checkpoints import CheckpointManager
@@ -116,7 +116,7 @@ def test_the_jobs_own_writers(sandbox, shared, capsys):
     files.write_json(ctx.rendezvous / paths.HEAD, {"ip": "127.0.0.1", "port": 6379, "host": "node1"})
     files.touch(ctx.rendezvous / paths.REGISTERED)
     watch.write_node_report(ctx, "this node's Ray stopped")
-    bootstrap.record_failure(run, "4242", RuntimeError("node 1 left"))
+    restarts.record_failure(run, "4242", RuntimeError("node 1 left"))
     bootstrap.finished_before(JobContext(run, "4242", 1, 0, ["node1", "node2"]), 5)
     m = MetricsLogger(run, Logging(tensorboard=False), total_steps=4)
     for s in (1, 2, 3):

@@ -690,7 +690,7 @@ def test_resume_from_an_older_step_starts_a_branch(sandbox, capsys):
     """+resume=step_10 on a run that has step_20: step_20 and the metrics rows after 10 are moved
     aside (not deleted), the branch's own new checkpoint survives retention, and a requeue
     resumes from the branch's newest."""
-    from launcher.cluster.bootstrap import resume_after_requeue
+    from launcher.cluster.restarts import resume_after_requeue
     from launcher.config.compose import compose
     from launcher.config.schema import Checkpointing, typed
     from launcher.driver.checkpoints import CheckpointManager
