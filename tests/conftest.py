@@ -110,7 +110,7 @@ def pytest_collection_modifyitems(config, items):
     last = {}
     for item in items:
         if "local_ray" in getattr(item, "fixturenames", ()):
-            last[tiers.stream_of(item.nodeid)] = item.nodeid
+            last[tiers.stream_of(tiers.tier_of(item.nodeid))] = item.nodeid
     _LOCAL_RAY["last"] = set(last.values())
 
 

@@ -99,7 +99,7 @@ def _phases(reports: list) -> dict[str, list[tuple[float, float, str]]]:
     for r in reports:
         tier = tier_of(r.nodeid)
         if tier != "unit" and getattr(r, "start", None) and getattr(r, "stop", None):
-            out[stream_of(r.nodeid)].append((r.start, r.stop, r.nodeid.split("::", 1)[0]))
+            out[stream_of(tier)].append((r.start, r.stop, r.nodeid.split("::", 1)[0]))
     return {stream: sorted(rows) for stream, rows in out.items()}
 
 
@@ -115,7 +115,7 @@ def module_of(rec: dict, phases: dict) -> str:
     if tier == "unit":
         return test.split("::", 1)[0]
     t0, module = rec.get("t0", 0.0), None
-    for start, _stop, mod in phases.get(stream_of(test), []):
+    for start, _stop, mod in phases.get(stream_of(tier), []):
         if start > t0:
             break
         module = mod

@@ -6,10 +6,7 @@ Tiers run quickest first, so a broken build fails in minutes: unit, integration,
 starts Ray, vLLM, Megatron or the one Slurm test cluster of the machine, and spends much of its
 time waiting on them (its processes use about three quarters of a core, counted by
 tests/helpers/process_counts.py): they form STREAMS, each run in order on one more worker of its
-own, from the start and next to each other and to the unit modules (`TierScheduling`). A few long
-modules of those tiers (LATE) form one more stream, the late one: the first unit worker through with
-the unit modules takes it, so the cores stay busy to the end instead of one stream finishing alone
-(the streams' ends, measured: docs/testing.md). `pytest tests` and `pytest tests/unit` start
+own, from the start and next to each other and to the unit modules (`TierScheduling`). `pytest tests` and `pytest tests/unit` start
 the workers by themselves (`workers`); `-n 0` runs everything in this process, `-n N` sets the
 number. What each tier proves and its time budget: docs/testing.md.
 """
@@ -26,22 +23,12 @@ PARALLEL = ("unit",)            # tiers whose tests may run on any worker, next 
 # nothing (each worker's `local_ray` is its own; the Slurm test cluster is the slurm stream's), and
 # each waits on its processes most of the time, so side by side they fill the cores.
 STREAMS = (("integration",), ("e2e",), ("slurm", "gpu"))
-# The late stream: modules of the integration and e2e tiers that share no session run with the rest
-# of their tier (trained_run, shared_run and lora_runs are per worker), chosen by the time their
-# streams took (docs/testing.md): the integration stream ended 5 minutes and the slurm stream 10
-# before the e2e stream, which ran alone at the end.
-LATE = ("tests/integration/test_agreement_benchmark.py", "tests/e2e/test_episodes_local.py")
-LATE_STREAM = "late"
 SERIAL = "serial-tiers"         # the prefix of a stream's work unit: serial-tiers:<its first tier>
 MAX_WORKERS = 4                 # for the unit tier, one per core (CI: 2); more only adds memory
 
 
-def stream_of(nodeid: str) -> str:
-    """The stream a test outside the unit tier runs in: LATE_STREAM for a LATE module, else its
-    tier's stream (named by the stream's first tier)."""
-    if nodeid.split("::", 1)[0] in LATE:
-        return LATE_STREAM
-    tier = tier_of(nodeid)
+def stream_of(tier: str) -> str:
+    """The stream (its first tier's name) a tier other than the unit tier runs in."""
     return next((s[0] for s in STREAMS if tier in s), STREAMS[-1][0])
 
 
@@ -82,24 +69,22 @@ def scheduler(config, log):
     """The xdist scheduler of the tiers (imported only when xdist runs)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    rank = {**{s[0]: i for i, s in enumerate(STREAMS)}, LATE_STREAM: len(STREAMS)}
-    late = f"{SERIAL}:{LATE_STREAM}"
+    rank = {s[0]: i for i, s in enumerate(STREAMS)}
 
     class TierScheduling(LoadScopeScheduling):
         """A unit test module is a work unit, handed to the workers as they ask; each stream of the
         other tiers is one work unit for a worker of its own (the last ones), given to it at once
         and run in collection order (by tier: `order`), next to the other streams and the unit
         modules. With fewer workers than streams + 1, a worker runs several streams one after the
-        other; with a single worker, the unit modules come first. The late stream goes to the first
-        worker that asks once no unit module is left (to a stream's worker when every worker has a
-        stream). A worker given a stream is then told to shut down: an xdist worker holds its last
-        test until it knows whether more work comes (the next test's id decides the fixtures' teardown)."""
+        other; with a single worker, the unit modules come first. A stream's worker gets its streams
+        at once and is then told to shut down: an xdist worker holds its last test until it knows
+        whether more work comes (the next test's id decides the fixtures' teardown)."""
 
         _owners: dict | None = None  # stream work unit -> its worker
 
         def _split_scope(self, nodeid: str) -> str:
             tier = tier_of(nodeid)
-            return nodeid.split("::", 1)[0] if tier in PARALLEL else f"{SERIAL}:{stream_of(nodeid)}"
+            return nodeid.split("::", 1)[0] if tier in PARALLEL else f"{SERIAL}:{stream_of(tier)}"
 
         def _give(self, node, scope: str) -> None:
             self.workqueue.move_to_end(scope, last=False)
@@ -115,15 +100,9 @@ def scheduler(config, log):
                 self._give(node, units[0] if units else streams[0])
                 return
             if self._owners is None:  # the last workers, one per stream while one is left for the unit modules
-                own = [s for s in streams if s != late]
-                k = max(1, min(len(own), len(self.nodes) - (1 if units else 0)))
-                self._owners = {s: self.nodes[-1 - i % k] for i, s in enumerate(own)}
-                if late in streams and (not own or k == len(self.nodes)):  # no worker without a stream
-                    self._owners[late] = self.nodes[-1 - (len(own) - 1) % k] if own else self.nodes[-1]
+                k = max(1, min(len(streams), len(self.nodes) - (1 if units else 0)))
+                self._owners = {s: self.nodes[-1 - i % k] for i, s in enumerate(streams)}
             owned = [s for s, n in self._owners.items() if n is node]
-            if not owned and not units and late in streams and late not in self._owners:
-                self._owners[late] = node  # the first worker through with the unit modules
-                owned = [late]
             if owned:  # a stream's worker: its streams at once (in order), nothing else
                 mine = [s for s in streams if s in owned]
                 for scope in mine:

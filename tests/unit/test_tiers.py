@@ -5,9 +5,7 @@ with tests/conftest.py's own hooks. Each test appends (worker, test id, start, e
 - `pytest tests` starts one worker per core and one more per stream of the other tiers
   (integration; e2e; slurm and gpu): the unit modules are spread over the workers, a module whole
   on one worker; each stream runs in tier order on a worker of its own, from the start, next to
-  the other streams and the unit modules, and that worker runs no unit test; the late stream (the
-  LATE modules of those tiers) runs on the first unit worker through with the unit modules, after
-  its unit tests; the terminal ends with the time per tier;
+  the other streams and the unit modules, and that worker runs no unit test; the terminal ends with the time per tier;
 - `-n 0` runs everything in this process in tier order; which arguments start workers (a single
   file starts none): `workers`.
 """
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,8 +44,7 @@ def _log(name, t0):
 def _tree(root: Path) -> Path:
     log = root / "log.jsonl"
     files = {"unit/test_u1.py": PER_MODULE, "unit/test_u2.py": PER_MODULE, "unit/test_u3.py": PER_MODULE,
-             "slurm/test_s.py": 1, "e2e/test_e.py": 2, "integration/test_i.py": 2,  # not in tier order
-             **{m.removeprefix("tests/"): 1 for m in reversed(tiers.LATE)}}
+             "slurm/test_s.py": 1, "e2e/test_e.py": 2, "integration/test_i.py": 2}  # not in tier order
     (root / "pytest.ini").write_text("[pytest]\n")
     (root / "tests").mkdir()
     (root / "tests" / "conftest.py").write_text(CONFTEST)
@@ -79,15 +75,13 @@ def test_the_whole_tree_spreads_the_unit_modules_and_runs_each_stream_on_a_worke
     expected_workers = cores + len(tiers.STREAMS) if cores > 1 else cores
     unit = [x for x in log if x[1].startswith("unit/")]
     serial = [x for x in log if not x[1].startswith("unit/")]
-    assert len(unit) == 3 * PER_MODULE and len(serial) == 5 + len(tiers.LATE)
+    assert len(unit) == 3 * PER_MODULE and len(serial) == 5
     # a unit module runs whole on one worker
     for module in ("unit/test_u1.py", "unit/test_u2.py", "unit/test_u3.py"):
         assert len({w for w, name, *_ in unit if name.startswith(module)}) == 1, unit
     streams = {}
     for w, name, t0, end in serial:
-        streams.setdefault(tiers.stream_of(f"tests/{name}"), []).append((w, name, t0, end))
-    late = streams.pop(tiers.LATE_STREAM)
-    assert [n.split("::")[0] for _, n, *_ in late] == [m.removeprefix("tests/") for m in tiers.LATE]  # tier order
+        streams.setdefault(name.split("/")[0], []).append((w, name, t0, end))
     assert [n for _, n, *_ in streams["integration"]] == ["integration/test_i.py::0", "integration/test_i.py::1"]
     assert [n for _, n, *_ in streams["e2e"]] == ["e2e/test_e.py::0", "e2e/test_e.py::1"]
     assert [n for _, n, *_ in streams["slurm"]] == ["slurm/test_s.py::0"]
@@ -101,9 +95,6 @@ def test_the_whole_tree_spreads_the_unit_modules_and_runs_each_stream_on_a_worke
         unit_only = {w for w, *_ in unit} - set().union(*owners.values())
         ends = {w: sorted(end for w2, _, _, end in unit if w2 == w) for w in unit_only}
         assert unit_only and max(firsts) < min(e[PER_MODULE - 1] for e in ends.values()), log
-        # the late stream: whole on one unit worker, once that worker's unit tests were through
-        (late_worker,) = {w for w, *_ in late}
-        assert late_worker in unit_only and min(t0 for *_, t0, _ in late) >= max(ends[late_worker]), log
     summary = p.stdout.split("time per tier", 1)[1].splitlines()
     assert [line.split(":")[0] for line in summary[1:5]] == ["unit", "integration", "e2e", "slurm"], p.stdout
     assert summary[1].startswith(f"unit: {3 * PER_MODULE} tests, ") and " s wall (" in summary[1]
@@ -111,7 +102,7 @@ def test_the_whole_tree_spreads_the_unit_modules_and_runs_each_stream_on_a_worke
         "the slowest modules of the unit tier", 1)
     names = [line.split()[-1] for line in other.splitlines()[1:-1]]  # 2 tests of 0.3 s, 2 of them, then 1
     assert sorted(names[:2]) == ["tests/e2e/test_e.py", "tests/integration/test_i.py"], p.stdout
-    assert sorted(names[2:]) == sorted(["tests/slurm/test_s.py", *tiers.LATE]), p.stdout
+    assert names[2:] == ["tests/slurm/test_s.py"], p.stdout
     unit_lines = rest.split("\n", 1)[1].split("=====", 1)[0].splitlines()  # after its title, up to the next
     unit_names = [line.split()[-1] for line in unit_lines if line.strip()]
     assert sorted(unit_names) == [f"tests/unit/test_u{i}.py" for i in (1, 2, 3)], p.stdout  # in a list of its own
@@ -122,9 +113,7 @@ def test_n0_runs_every_tier_in_order_in_this_process(tmp_path):
     p, log = _pytest(tmp_path, str(tmp_path / "tests"), "--rootdir", str(tmp_path), "-n", "0")
     assert {w for w, *_ in log} == {"main"} and "bringing up nodes" not in p.stdout
     tiers_in_order = [name.split("/")[0] for _, name, *_ in log]
-    late = [m.split("/")[1] for m in tiers.LATE]
-    assert tiers_in_order == (["unit"] * 3 * PER_MODULE + ["integration"] * (2 + late.count("integration"))
-                              + ["e2e"] * (2 + late.count("e2e")) + ["slurm"])
+    assert tiers_in_order == ["unit"] * 3 * PER_MODULE + ["integration"] * 2 + ["e2e"] * 2 + ["slurm"]
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -194,13 +183,3 @@ def test_what_a_run_leaves_in_the_temp_dir_is_named_and_only_the_kept_entries_ar
     root = str(tmp_path / "repo")
     assert tiers.whole_tiers([f"{root}/tests"], root) and tiers.whole_tiers([f"{root}/tests/slurm/", "-x"], root)
     assert not tiers.whole_tiers([f"{root}/tests/unit/test_tiers.py"], root)
-
-
-def test_the_late_modules_exist_and_share_no_session_run_with_their_tier():
-    """A LATE module runs on a worker of its own: a session run of its tier (trained_run and
-    shared_run: tests/e2e/conftest.py; the LoRA checkpoints: tests/integration/lora_runs.py) would be
-    made a second time there."""
-    for module in tiers.LATE:
-        text = (REPO / module).read_text()
-        assert tiers.tier_of(f"{module}::t") in ("integration", "e2e"), module
-        assert not re.search(r"\b(trained_run|shared_run|lora_runs)\b", text), module
