@@ -3,7 +3,7 @@
 a checkpoint being written).
 
 Torch-free (the status view and the dry run import it). The phases' names are here, the metrics'
-in launcher.driver.metric_names: the driver sets and writes them, this reads them.
+in launcher.metric_names: the driver sets and writes them, this reads them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from launcher.driver import metric_names as names
+from launcher import metric_names as names
 
 HEARTBEAT_S = 5.0   # a long wait says what it waits for at least this often
 # the driver's phases (ctx.progress["phase"], set by launcher.driver.grpo), each once

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from launcher import paths, progress, records
-from launcher.driver import metric_names as names
+from launcher import metric_names as names
 from launcher.job import slurm_job
 
 # the states after which --watch stops: a Slurm job's instance is over, or a local run ended (status.local_job)

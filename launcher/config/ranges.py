@@ -11,8 +11,8 @@ doc, or a bad value that is accepted, fails it.
 
 from __future__ import annotations
 
+from launcher import metric_names as names
 from launcher.config.schema import Config, ConfigError, field_errors
-from launcher.driver import metric_names as names
 
 
 def check(cfg: Config) -> list[ConfigError]:

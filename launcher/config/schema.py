@@ -17,9 +17,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher import metric_names as names
 from launcher.config import fields
 from launcher.config.fields import All, Elsewhere, Filled, Free, OneOf, Range, Text, knob, section
-from launcher.driver import metric_names as names
 
 
 # Ray custom resources of the placement (launcher.plan): a node offers one unit per trainer rank /

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.driver import metric_names as names
+from launcher import metric_names as names
 from launcher.driver.episode_tokens import EpisodeTokens, TemplateError
 from launcher.driver.rollout import Rollout, request_seed
 

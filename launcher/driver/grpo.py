@@ -24,10 +24,11 @@ import time
 from typing import TYPE_CHECKING
 
 from launcher import files, logs, paths, progress
+from launcher import metric_names as names
 from launcher import plan as plan_mod
 from launcher.cluster.context import JobContext
 from launcher.config.schema import Config, ConfigError
-from launcher.driver import advantages, metric_names as names, pipeline, rewards as rewards_mod
+from launcher.driver import advantages, pipeline, rewards as rewards_mod
 from launcher.driver.checkpoints import CheckpointManager, size_of
 from launcher.driver.failures import StepFailed, describe
 from launcher.driver.metrics import MetricsLogger, plot, read, summary

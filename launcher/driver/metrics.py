@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from launcher import files, logs, paths, progress
+from launcher import metric_names as names
 from launcher.config.schema import Logging
-from launcher.driver import metric_names as names
 
 _log = logs.get(__name__)
 

@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from launcher import files, paths, progress, records
+from launcher import metric_names as names
 from launcher.config.schema import Config
-from launcher.driver import metric_names as names
 from launcher.driver.rollout import Rollout, collect, validation
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from launcher import metric_names as names
 from launcher.config.schema import Config
-from launcher.driver import metric_names as names
 from workers.contracts import TrainerBatch
 
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.driver import metric_names as names
+from launcher import metric_names as names
 
 
 def process_start_time(pid: int | None = None) -> float:

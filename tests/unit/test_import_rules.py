@@ -6,7 +6,7 @@ both directions:
 - backward: a stage imports from an earlier stage only the data every stage shares: the config
   (launcher/config/), the plan (plan.py, memory.py, activations.py, refit_cost.py) and SHARED (paths, files,
   records, logs, progress, the printed commands in shell.py, the JobContext in cluster/context.py, the metric
-  names in driver/metric_names.py);
+  names in metric_names.py);
 - forward: a stage imports a later stage only inside a function, at the hand-off (the submission
   names the bootstrap, the bootstrap the driver's job kinds): importing a stage never loads a
   later one. One exception, the SEAM: the driver imports workers/contracts.py (the Protocols and
@@ -43,7 +43,7 @@ STAGES = ("config", "plan", "job", "cluster", "driver", "workers")
 PLAN = ("launcher.plan", "launcher.memory", "launcher.activations",
         "launcher.refit_cost")   # the plan stage: top-level modules
 SHARED = ("launcher.paths", "launcher.files", "launcher.records", "launcher.logs", "launcher.progress",
-          "launcher.shell", "launcher.cluster.context", "launcher.driver.metric_names")
+          "launcher.shell", "launcher.cluster.context", "launcher.metric_names")
 COMMANDS = ("launcher.__main__", "launcher.cli", "launcher.status", "launcher.stop", "launcher.export",
             "launcher.sweep")
 WORKER_IMPORTERS = ("launcher.export", "launcher.cluster.preflight")   # besides driver/

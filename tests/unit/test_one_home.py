@@ -1,5 +1,5 @@
 """Facts with one home each, and that nothing else writes them again:
-- the metric keys of a step's row (launcher.driver.metric_names): no other launcher module holds
+- the metric keys of a step's row (launcher.metric_names): no other launcher module holds
   one as a string;
 - the driver's phases (launcher.progress): every phase the driver sets is one progress can say;
 - Slurm job states (launcher.job.slurm_job): what they mean agrees with submitit's own reading of
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from launcher import paths, progress
-from launcher.driver import metric_names as names
+from launcher import metric_names as names
 from launcher.job import slurm_job
 
 ROOT = Path(__file__).resolve().parents[2]
