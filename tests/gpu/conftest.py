@@ -7,8 +7,8 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch
 
+from tests.helpers.batches import padded_batch
 from tests.helpers.gpu_check import DEVICE, HYBRID_NEEDS, LOSS, ON_CUDA, OPTIM, PEFT, RECIPE, free_port
 
 
@@ -49,10 +49,4 @@ def trainer(model_dir):
 
 @pytest.fixture(scope="session")
 def batch():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(4, 250, (4, 16), generator=g)
-    mask = torch.zeros(4, 16)
-    for row, (start, end) in enumerate([(4, 16), (5, 10), (6, 13), (4, 8)]):
-        mask[row, start:end] = 1
-        ids[row, end:] = 0
-    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.tensor([1.0, -0.8, 0.5, -0.6])}
+    return padded_batch(16, [(4, 16), (5, 10), (6, 13), (4, 8)])

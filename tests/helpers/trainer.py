@@ -12,6 +12,7 @@ import torch
 
 from workers.trainer import gather
 from workers.trainer.actor import MegatronTrainer
+from workers.trainer.config import TrainerConfig
 from workers.trainer.group import TrainerGroup
 
 
@@ -105,3 +106,13 @@ class ProbedTrainerGroup(TrainerGroup):
 
     def optimizer_state(self) -> dict:
         return self._call("optimizer_state")[0]
+
+
+def probed_group(model_dir, peft: dict, optim: dict, tp: int = 1, ep: int = 1, seed: int = 11,
+                 **sections) -> ProbedTrainerGroup:
+    """A ProbedTrainerGroup of max(tp, ep) ranks on `model_dir` at TP `tp` (sequence parallel when
+    TP > 1) and EP `ep`, 20 scheduled steps; `sections`: TrainerConfig.from_sections' other keywords."""
+    parallel = {"tensor_parallel": tp, "expert_parallel": ep, "sequence_parallel": tp > 1}
+    config = TrainerConfig.from_sections(str(model_dir), parallel=parallel, peft=peft, optim=optim, seed=seed,
+                                         max_num_steps=20, **sections)
+    return ProbedTrainerGroup(config, num_ranks=max(tp, ep))

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import hf_reference as hf
+from tests.helpers.batches import padded_batch, with_prev
 from tests.helpers.hf_reference import assert_close, token_logprobs
 
 pytestmark = pytest.mark.integration
@@ -31,13 +32,9 @@ SLOT = {"resources": {"generation_slot": 1}, "num_cpus": 0.5}
 
 
 def make_group(model_dir, tp=1, ep=1, peft=ATTENTION, seed=11):
-    from workers.trainer.config import TrainerConfig
-    from tests.helpers.trainer import ProbedTrainerGroup
+    from tests.helpers.trainer import probed_group
 
-    parallel = {"tensor_parallel": tp, "expert_parallel": ep, "sequence_parallel": tp > 1}
-    config = TrainerConfig.from_sections(str(model_dir), parallel=parallel, peft=peft, optim=OPTIM, seed=seed,
-                                         max_num_steps=20)
-    return ProbedTrainerGroup(config, num_ranks=max(tp, ep))
+    return probed_group(model_dir, peft, OPTIM, tp=tp, ep=ep, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +45,7 @@ def model_dir(tiny_model):
 @pytest.fixture(scope="module")
 def batch():
     """4 right-padded sequences of 14 tokens (even: TP2 splits the sequence), responses of several lengths."""
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(4, 250, (4, 14), generator=g)
-    mask = torch.zeros(4, 14)
-    for row, (start, end) in enumerate([(4, 14), (5, 9), (6, 12), (4, 7)]):
-        mask[row, start:end] = 1
-        ids[row, end:] = 0
-    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.tensor([1.0, -0.8, 0.5, -0.6])}
-
-
-def with_prev(group, batch):
-    b = dict(batch)
-    b["prev_logprobs"] = group.logprobs(batch)
-    return b
+    return padded_batch(14, [(4, 14), (5, 9), (6, 12), (4, 7)])
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ import torch
 from launcher.config import model_facts
 
 from tests.helpers import hf_reference as hf
+from tests.helpers.batches import padded_batch, with_prev
 from tests.helpers.hf_reference import assert_close, token_logprobs
 
 pytestmark = pytest.mark.integration
@@ -50,13 +51,9 @@ MOE_LAYERS = (1, 4)  # MEM*E
 
 
 def make_group(model_dir, tp=1, ep=1, peft=LORA, dtype="float32"):
-    from workers.trainer.config import TrainerConfig
-    from tests.helpers.trainer import ProbedTrainerGroup
+    from tests.helpers.trainer import probed_group
 
-    parallel = {"tensor_parallel": tp, "expert_parallel": ep, "sequence_parallel": tp > 1}
-    config = TrainerConfig.from_sections(str(model_dir), parallel=parallel, peft=peft, optim=OPTIM, seed=11,
-                                         max_num_steps=20, dtype=dtype)
-    return ProbedTrainerGroup(config, num_ranks=max(tp, ep))
+    return probed_group(model_dir, peft, OPTIM, tp=tp, ep=ep, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +64,7 @@ def model_dir(tiny_model):
 @pytest.fixture(scope="module")
 def batch():
     """4 right-padded sequences of 40 tokens (more than 2 Mamba chunks of 16; even: TP2 splits them)."""
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(4, 250, (4, 40), generator=g)
-    mask = torch.zeros(4, 40)
-    for row, (start, end) in enumerate([(4, 40), (9, 30), (20, 37), (5, 12)]):
-        mask[row, start:end] = 1
-        ids[row, end:] = 0
-    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.tensor([1.0, -0.8, 0.5, -0.6])}
-
-
-def with_prev(group, batch):
-    b = dict(batch)
-    b["prev_logprobs"] = group.logprobs(batch)
-    return b
+    return padded_batch(40, [(4, 40), (9, 30), (20, 37), (5, 12)])
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import hf_reference as hf
+from tests.helpers.batches import padded_batch
 from tests.helpers.hf_reference import assert_close, token_logprobs
 
 
@@ -49,13 +50,7 @@ def model_dir(tiny_model):
 @pytest.fixture(scope="module")
 def batch():
     """4 right-padded sequences of 14 tokens; prompts of 4-6 tokens, responses of different lengths."""
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(4, 250, (4, 14), generator=g)
-    mask = torch.zeros(4, 14)
-    for row, (start, end) in enumerate([(4, 14), (5, 9), (6, 12), (4, 7)]):
-        mask[row, start:end] = 1
-        ids[row, end:] = 0  # <pad>
-    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.tensor([1.0, -0.8, 0.5, -0.6])}
+    return padded_batch(14, [(4, 14), (5, 9), (6, 12), (4, 7)])
 
 
 def with_logprobs(group, batch):
