@@ -382,8 +382,8 @@ def _submit(cfg, plan, run_dir: Path) -> int:
 
 
 def _run_here(cfg, plan, run_dir: Path) -> int:
-    from launcher.cluster.context import ClusterError
     from launcher.cluster import restarts
+    from launcher.cluster.context import ClusterError
     from launcher.job.submit import run_local
 
     log = _log.info
